@@ -1,0 +1,33 @@
+# Two entry points: `make serve` (every role on this machine, built-in tiny model) and
+# `make test`. Both create .venv and install what they need; torch is pinned and installed
+# first so pip never pulls a CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test lint serve clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[test,serve]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/pdserve serve
+
+clean:
+	rm -rf $(VENV) .pytest_cache

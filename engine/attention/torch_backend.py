@@ -1,0 +1,131 @@
+"""Attention over the paged cache with ``torch.nn.functional.scaled_dot_product_attention``.
+
+Works on CPU and CUDA. Prefill chunks attend one sequence at a time (causal, offset by the
+tokens already cached); all single-token decode rows go through one padded SDPA call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+
+
+@dataclass
+class _PrefillItem:
+    start: int
+    end: int
+    blocks: torch.Tensor  # [num_blocks] block ids
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plain causal applies
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [Bd] query row of each decode sequence
+    blocks: torch.Tensor  # [Bd, max_blocks]
+    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool: True = attend
+    max_len: int
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._meta: AttentionMetadata | None = None
+        self._prefills: list[_PrefillItem] = []
+        self._decode: _DecodeGroup | None = None
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        self._meta = metadata
+        self._prefills = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        start = 0
+        bs = metadata.block_size
+        for q_len, seq_len, table in zip(
+            metadata.query_lens_cpu,
+            metadata.seq_lens_cpu,
+            metadata.block_tables_cpu,
+            strict=True,
+        ):
+            num_blocks = -(-seq_len // bs)
+            if q_len == 1:
+                decode_rows.append(start)
+                decode_tables.append(table[:num_blocks])
+                decode_lens.append(seq_len)
+            else:
+                mask = None
+                if q_len != seq_len:
+                    # query i sits at position seq_len - q_len + i and sees keys up to it
+                    q_pos = torch.arange(seq_len - q_len, seq_len, device=self.device)
+                    k_pos = torch.arange(seq_len, device=self.device)
+                    mask = k_pos[None, :] <= q_pos[:, None]
+                blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+                self._prefills.append(_PrefillItem(start, start + q_len, blocks, seq_len, mask))
+            start += q_len
+        self._decode = None
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+            lens = torch.tensor(decode_lens, device=self.device)
+            key_pos = torch.arange(max_blocks * bs, device=self.device)
+            self._decode = _DecodeGroup(
+                rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+                blocks=torch.tensor(padded, dtype=torch.long, device=self.device),
+                mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
+                max_len=max_blocks * bs,
+            )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if self._meta is None:
+            raise RuntimeError("plan() must run before forward()")
+        write_kv(kv_cache, self._meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        for item in self._prefills:
+            kc, vc = _gather(kv_cache, item.blocks, item.seq_len)  # [L, KV, D]
+            qs = q[item.start : item.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            o = F.scaled_dot_product_attention(
+                qs,
+                kc.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                vc.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                attn_mask=item.mask,
+                is_causal=item.mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[item.start : item.end] = o[0].transpose(0, 1)
+        group = self._decode
+        if group is not None:
+            nb = group.blocks.shape[0]
+            kv = kv_cache[group.blocks]  # [Bd, max_blocks, 2, bs, KV, D]
+            kv = kv.transpose(1, 2).reshape(nb, 2, group.max_len, *kv_cache.shape[3:])
+            kc = kv[:, 0].transpose(1, 2).to(q.dtype)  # [Bd, KV, max_len, D]
+            vc = kv[:, 1].transpose(1, 2).to(q.dtype)
+            qd = q[group.rows].unsqueeze(2)  # [Bd, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                qd, kc, vc, attn_mask=group.mask, scale=scale, enable_gqa=True
+            )
+            out[group.rows] = o[:, :, 0]
+        return out
+
+
+def _gather(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = kv_cache[blocks]  # [nb, 2, bs, KV, D]
+    k = kv[:, 0].reshape(-1, *kv.shape[3:])[:seq_len]
+    v = kv[:, 1].reshape(-1, *kv.shape[3:])[:seq_len]
+    return k, v

@@ -1,0 +1,194 @@
+"""Paged KV block allocator: reference counts, a free list, and a prefix cache.
+
+Every full block gets a chained hash ``h_i = H(h_{i-1}, tokens of block i)``, so equal hashes
+mean equal prefixes. A request whose leading full blocks hash the same as cached ones shares
+those blocks (ref count + 1) instead of recomputing them.
+
+Free list (an ordered dict, left = evicted first)::
+
+    [ never-hashed blocks ... | cached blocks, least recently freed ... most recently freed ]
+
+A cached block with no references stays findable by its hash until the allocator hands it out
+again (LRU eviction). Used blocks = blocks with a reference; free blocks include cached ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
+    """Stable across processes (unlike ``hash``), so workers can compare prefixes."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent if parent is not None else 0).to_bytes(8, "little", signed=False))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, known: list[int]) -> list[int]:
+    """Extend ``known`` (hashes of the leading full blocks) to every full block of the tokens."""
+    for i in range(len(known), len(token_ids) // block_size):
+        parent = known[-1] if known else None
+        known.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+    return known
+
+
+class BlockOwner(Protocol):
+    """What the allocator needs of a sequence."""
+
+    block_table: list[int]
+    block_hashes: list[int]
+    num_committed_blocks: int
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def find_cached_prefix(self, seq: BlockOwner) -> list[int]:
+        """Block ids of the longest cached run of the sequence's leading full blocks.
+
+        The last token is never counted as cached: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.all_token_ids
+        hashes = block_hashes(tokens, self.block_size, seq.block_hashes)
+        limit = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        for h in hashes[:limit]:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, seq: BlockOwner) -> None:
+        """Register the hashes of blocks whose every token now has its KV computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_committed_blocks:
+            return
+        hashes = block_hashes(seq.all_token_ids, self.block_size, seq.block_hashes)
+        for i in range(seq.num_committed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.cached:
+                block.hash = hashes[i]
+                self.cached[hashes[i]] = block.block_id
+        seq.num_committed_blocks = num_full
+
+    # ---- allocation -------------------------------------------------------------------
+    def can_allocate(self, seq: BlockOwner, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        return self._blocks_to_take(seq, num_new_tokens, hits) <= len(self.free)
+
+    def allocate(self, seq: BlockOwner, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``hits`` (from ``find_cached_prefix``, only for a sequence with no blocks yet) are
+        shared and counted as computed. Returns False, changing nothing, if blocks run out.
+        """
+        if hits and seq.block_table:
+            raise ValueError("prefix hits apply only to a sequence without blocks")
+        if self._blocks_to_take(seq, num_new_tokens, hits) > len(self.free):
+            return False
+        for block_id in hits:
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens += len(hits) * self.block_size
+        seq.num_committed_blocks = len(hits)
+        total = seq.num_computed_tokens + num_new_tokens
+        for _ in range(self.blocks_needed(total) - len(seq.block_table)):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def free_seq(self, seq: BlockOwner) -> None:
+        """Drop the sequence's references; the tail goes first into the eviction order."""
+        for block_id in reversed(seq.block_table):
+            self._unref(block_id)
+        seq.block_table.clear()
+        seq.num_committed_blocks = 0
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        """``n`` fresh blocks with one reference each (for reservations outside a sequence)."""
+        if n > len(self.free):
+            raise NoFreeBlocks(f"need {n} blocks, {len(self.free)} free")
+        return [self._take_free() for _ in range(n)]
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        for block_id in reversed(block_ids):
+            self._unref(block_id)
+
+    # ---- internals --------------------------------------------------------------------
+    def _blocks_to_take(self, seq: BlockOwner, num_new_tokens: int, hits: Sequence[int]) -> int:
+        total = seq.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        fresh = max(0, self.blocks_needed(total) - len(seq.block_table) - len(hits))
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return fresh + revived
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict: the cached content is about to be overwritten
+            del self.cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)

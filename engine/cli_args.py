@@ -1,0 +1,71 @@
+"""Engine flags shared by every command that runs a model (generate, prefill, decode, serve)."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model directory "
+        "(default: the built-in tiny model, created on first use)",
+    )
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        default=None,
+        help="KV cache budget, e.g. 512M or 2G (CPU default: 256M)",
+    )
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = args.model
+    if model is None:
+        from engine.make_model import default_model_dir
+
+        model = str(default_model_dir("tiny"))
+    return EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        threads=args.threads,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)

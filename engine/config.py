@@ -1,0 +1,209 @@
+"""Model and engine configuration: frozen dataclasses, validated with clear messages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served, with the reason in the message."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a Hugging Face ``config.json`` the runtime needs."""
+
+    architecture: str
+    family: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise ConfigError(f"model directory {path} does not exist")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model directory {path} has no config.json")
+        return cls.from_dict(json.loads(config_file.read_text()), source=str(config_file))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+            if k not in cfg
+        ]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
+        hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        use_window = family == "mistral" or cfg.get("use_sliding_window", False)
+        window = cfg.get("sliding_window") if use_window else None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=_parse_rope(cfg, source),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=int(window) if window else None,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence served exactly: a sliding window caps it (full attention here)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
+    # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters (theta inside).
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. ``num_blocks`` wins; else a byte budget; else a GPU fraction."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # A prompt longer than this many tokens per step is split over several steps.
+    long_prefill_token_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    max_model_len: int | None = None
+    seed: int = 0
+    threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -1,0 +1,17 @@
+"""Every environment variable pdserve reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def pdserve_home() -> Path:
+    """Root for pdserve's own files (the built-in models live under ``models/``)."""
+    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+
+
+def default_threads() -> int | None:
+    """``PDSERVE_THREADS``: torch intra-op threads for a worker (unset: torch's default)."""
+    value = os.environ.get("PDSERVE_THREADS")
+    return int(value) if value else None

@@ -1,0 +1,200 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat, ragged token batch.
+
+Shapes: T = tokens in the step, H/KV = query/key-value heads, D = head_dim, E = hidden size.
+Q/K/V and gate/up projections are fused at load time (one matmul each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in float32, as transformers does, whatever the model dtype
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, E]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = backend.forward(q, k, v, kv_cache, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, E]
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Errors name tensors."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints store the copy anyway
+            name, shard = _map_name(hf_name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self)}")
+            target = param.data if shard is None else _shard_view(param.data, shard, self)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(hf_name)
+        expected = set(_expected_hf_names(self))
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _map_name(hf_name: str) -> tuple[str, tuple[str, int] | None]:
+    """HF name -> (our parameter name, (fused kind, index) or None)."""
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, index = _FUSED[part]
+            parts[i] = fused
+            return ".".join(parts), (part, index)
+    return name, None
+
+
+def _shard_view(param: torch.Tensor, shard: tuple[str, int], model: CausalLM) -> torch.Tensor:
+    cfg = model.config
+    kind, index = shard
+    if kind in ("q_proj", "k_proj", "v_proj"):
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = [q_size, kv_size, kv_size]
+    else:
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+    offset = sum(sizes[:index])
+    return param.narrow(0, offset, sizes[index])
+
+
+def _expected_hf_names(model: CausalLM) -> Iterable[str]:
+    unfused = {v[0]: [k for k, (f, _) in _FUSED.items() if f == v[0]] for v in _FUSED.values()}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        prefix = "" if parts[0] == "lm_head" else "model."
+        fused = next((p for p in parts if p in unfused), None)
+        if fused is None:
+            yield prefix + name
+            continue
+        for hf_part in unfused[fused]:
+            yield prefix + name.replace(fused, hf_part)

@@ -1,0 +1,90 @@
+"""A request inside the engine: its tokens, blocks, sampling state and status.
+
+Status on the engine (each sequence is in exactly one scheduler queue)::
+
+    add_request ─▶ WAITING ─schedule─▶ RUNNING ─stop/length─▶ FINISHED
+                      ▲                   │
+                      └──── preempted ────┘   (blocks freed, recomputed later)
+    abort from any state ─▶ FINISHED (finish_reason "abort")
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # the top-k alternatives, most likely first
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens appended in place
+    params: SamplingParams
+    arrival_index: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | None = None  # the stop token id, when one ended the sequence
+    # KV state
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    num_prompt_tokens: int = field(init=False, default=0)
+    # Tokens handed out by earlier step() outputs (so each output carries only new ones).
+    num_returned_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]

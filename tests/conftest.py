@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny checkpoints made once per session, engines over them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope"]
+
+
+def _hf_made(out: Path, kind: str) -> Path:
+    """Architectures make-model does not write, built with transformers itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None, head_dim=16)
+    else:  # Llama 3.1-style rope scaling with a short original context, so it bites
+        cfg = LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        )
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> float32 tiny checkpoint directory, each built on first use."""
+    from engine.make_model import make_model
+
+    cache: dict[str, Path] = {}
+
+    class Dirs(dict):
+        def __missing__(self, arch: str) -> Path:
+            out = tmp_path_factory.mktemp(arch)
+            if arch in ("llama", "qwen2", "qwen3"):
+                path = make_model(out, preset="tiny", seed=0, arch=arch)
+            else:
+                path = _hf_made(out, arch)
+            self[arch] = Path(path)
+            return self[arch]
+
+    return Dirs(cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
