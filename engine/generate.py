@@ -37,8 +37,8 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.sample_seed,
             ignore_eos=args.ignore_eos,
         )
-        tokenizer = Tokenizer.from_dir(config.model)
         engine = LLMEngine(config)
+        tokenizer = Tokenizer.from_dir(config.model)
         prompts = [
             tokenizer.encode_chat([{"role": "user", "content": p}])
             if args.chat

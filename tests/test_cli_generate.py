@@ -1,0 +1,56 @@
+"""``pdserve generate``: one JSON object per prompt, the same tokens as the engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from engine.tokenizer import Tokenizer
+from launch.cli import main
+from tests.engine_util import greedy, make_engine
+
+
+def test_generate_json_matches_engine(tiny_dir, capsys) -> None:
+    prompts = ["The quick brown fox", "Ünïcödé and 数字 123"]
+    rc = main(["generate", "--model", str(tiny_dir), "--json", "--max-tokens", "6", *prompts])
+    assert rc == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in lines] == prompts
+    tok = Tokenizer.from_dir(tiny_dir)
+    engine = make_engine(tiny_dir, block_size=16)
+    for record, prompt in zip(lines, prompts, strict=True):
+        expected = engine.generate([tok.encode(prompt)], greedy(6))[0].new_token_ids
+        # without --ignore-eos the CLI may stop early at an eos; the prefix must agree
+        assert record["token_ids"] == expected[: len(record["token_ids"])]
+        assert record["text"] == tok.decode(record["token_ids"])
+
+
+def test_generate_reports_bad_model_cleanly(tmp_path, capsys) -> None:
+    rc = main(["generate", "--model", str(tmp_path / "missing"), "hello"])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_console_script_runs(tiny_dir) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "--json",
+            "--max-tokens",
+            "3",
+            "--ignore-eos",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    record = json.loads(out.stdout)
+    assert len(record["token_ids"]) == 3
