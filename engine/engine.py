@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_handoff import KVHandoffMixin
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
-class LLMEngine:
+class LLMEngine(KVHandoffMixin):
     def __init__(self, config: EngineConfig) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -61,21 +62,40 @@ class LLMEngine:
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._aborted: list[Sequence] = []
+        self._final_outputs: list[Sequence] = []
+        # disaggregation: KV kept past the end of a prefill-only request until it is sent,
+        # and blocks reserved for KV that another worker will push here
+        self.held: dict[str, Sequence] = {}
+        self.reserved: dict[str, list[int]] = {}
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv: bool = False,
     ) -> None:
-        """Queue a request; ``ValueError`` for a duplicate id, bad tokens or a too-long one."""
-        if request_id in self.requests:
+        """Queue a request; ``ValueError`` for a duplicate id, bad tokens or a too-long one.
+
+        ``hold_kv``: when it finishes, keep its blocks (``held_block_ids``) until ``release``;
+        a prefill worker runs prompts this way, with ``max_tokens=1``, then pushes the KV.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.hold_kv = hold_kv
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -97,17 +117,20 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; its final output comes from the next step."""
+        """Stop a request and free its blocks (held and reserved ones too); a running
+        request's final output comes from the next step."""
+        if self.release(request_id) or self.cancel_reservation(request_id):
+            return True
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-        self._aborted.append(seq)
+        self._final_outputs.append(seq)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._final_outputs)
 
     @property
     def num_requests(self) -> int:
@@ -115,8 +138,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = [self._output(seq) for seq in self._aborted]
-        self._aborted.clear()
+        outputs = [self._output(seq) for seq in self._final_outputs]
+        self._final_outputs.clear()
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -138,6 +161,9 @@ class LLMEngine:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+        self._check_finish(seq, token)
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             if token in p.stop_token_ids:
@@ -150,7 +176,9 @@ class LLMEngine:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, free=not seq.hold_kv)
+            if seq.hold_kv:
+                self.held[seq.request_id] = seq
 
     def _output(self, seq: Sequence) -> RequestOutput:
         start = seq.num_returned_tokens

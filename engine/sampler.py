@@ -35,6 +35,10 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
+    def skip_draw(self, generator: torch.Generator, vocab_size: int) -> None:
+        """Advance a request's generator past one sampling step taken elsewhere."""
+        torch.empty(vocab_size, device=self.device).exponential_(generator=generator)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [B, V] float32, row i belongs to seqs[i]
         raw = logits

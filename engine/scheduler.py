@@ -86,13 +86,15 @@ class Scheduler:
             budget -= n
         return batch
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished (or aborted) sequence from its queue and free its blocks."""
+    def finish(self, seq: Sequence, free: bool = True) -> None:
+        """Remove a finished (or aborted) sequence from its queue; free its blocks unless
+        the caller keeps them (KV still to be sent elsewhere)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free_seq(seq)
+        if free:
+            self.blocks.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

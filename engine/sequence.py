@@ -50,6 +50,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    hold_kv: bool = False  # keep blocks after finishing (prefill worker: KV still to send)
     num_prompt_tokens: int = field(init=False, default=0)
     # Tokens handed out by earlier step() outputs (so each output carries only new ones).
     num_returned_tokens: int = 0

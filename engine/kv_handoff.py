@@ -1,0 +1,87 @@
+"""Engine calls for disaggregation: the prefill side hands KV off, the decode side takes it in.
+
+prefill worker                                  decode worker
+add_request(hold_kv=True, max_tokens=1)         reserve(rid, prompt_len + 1) -> block ids
+step() ... token 0 sampled, request finished    .
+held_block_ids(rid) -> push KV ───────────────▶ (KV lands in the reserved blocks)
+release(rid)  (blocks stay in the prefix cache) add_prefilled(rid, prompt, token 0, params)
+                                                step() ... tokens 1..n
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import SequenceStatus, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+
+
+class KVHandoffMixin:
+    """Mixed into ``LLMEngine``; state lives in its ``held`` and ``reserved`` dicts."""
+
+    def held_block_ids(self: LLMEngine, request_id: str) -> list[int]:
+        """Blocks holding the finished prompt's KV, in token order."""
+        return list(self.held[request_id].block_table)
+
+    def release(self: LLMEngine, request_id: str) -> bool:
+        """Free a held request's blocks (full ones stay findable in the prefix cache)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free_seq(seq)
+        return True
+
+    def reserve(self: LLMEngine, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks for ``num_tokens`` tokens of KV that another worker will write.
+
+        ``NoFreeBlocks`` when they are not free now; ``ValueError`` for a duplicate id.
+        """
+        if request_id in self.reserved or request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} already has blocks here")
+        ids = self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
+        self.reserved[request_id] = ids
+        return ids
+
+    def cancel_reservation(self: LLMEngine, request_id: str) -> bool:
+        ids = self.reserved.pop(request_id, None)
+        if ids is None:
+            return False
+        self.block_manager.free_blocks(ids)
+        return True
+
+    def add_prefilled(
+        self: LLMEngine,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        first_logprob: TokenLogprob | None = None,
+    ) -> None:
+        """Start decoding a request whose prompt KV now sits in its reserved blocks.
+
+        Token 0 was sampled (and reported) by the prefill worker; outputs start at token 1.
+        """
+        if request_id not in self.reserved:
+            raise ValueError(f"request {request_id!r} has no reserved blocks")
+        try:
+            seq = self._new_sequence(request_id, prompt_token_ids, params)
+        except ValueError:
+            self.cancel_reservation(request_id)
+            raise
+        seq.block_table = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.token_ids.append(first_token)
+        if first_logprob is not None:
+            seq.output_logprobs.append(first_logprob)
+        seq.num_returned_tokens = 1
+        if seq.generator is not None and not params.greedy:
+            # token 0 drew once from this seed on the prefill side; stay in step with it
+            self.sampler.skip_draw(seq.generator, self.model_config.vocab_size)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._check_finish(seq, first_token)
+        if seq.status is SequenceStatus.FINISHED:
+            self._final_outputs.append(seq)  # reported, with its finish reason, next step
