@@ -1,0 +1,57 @@
+"""Moving KV blocks between workers: ``base`` holds the contract, one module per backend.
+
+Backends are imported on first use, so ``kvtransfer.base`` (used by the coordinator) stays
+free of torch and of optional transports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvtransfer.base import KVReceiver, KVSender
+
+if TYPE_CHECKING:
+    import torch
+
+# backend -> (sender, receiver) as "module.Class"; "host" is the design's name for host memory
+# over ZMQ. GPU backends ("nccl", "cuda_ipc") slot in here with the same two classes.
+_ZMQ = ("zmq_backend.ZmqKVSender", "zmq_backend.ZmqKVReceiver")
+_BACKENDS = {
+    "zmq": _ZMQ,
+    "host": _ZMQ,
+    "ucx": ("ucx_backend.UcxKVSender", "ucx_receiver.UcxKVReceiver"),
+}
+
+
+def backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def _classes(backend: str) -> tuple[type[KVSender], type[KVReceiver]]:
+    names = _BACKENDS.get(backend)
+    if names is None:
+        raise ValueError(
+            f"unknown KV transfer backend {backend!r}; available: {', '.join(backends())}"
+        )
+    return _load(names[0]), _load(names[1])
+
+
+def _load(name: str) -> type:
+    module, cls = name.split(".")
+    return getattr(importlib.import_module(f"kvtransfer.{module}"), cls)
+
+
+def make_sender(backend: str, *, checksum: bool = False, **options: Any) -> KVSender:
+    """A sender; ``checksum`` sends a blake2b digest with every transfer."""
+    return _classes(backend)[0](checksum=checksum, **options)
+
+
+def make_receiver(
+    backend: str, kv_layers: list[torch.Tensor], bind: str | None = None, **options: Any
+) -> KVReceiver:
+    """A receiver writing into ``kv_layers``; ``bind`` in the backend's address form
+    (zmq: ``tcp://127.0.0.1:0`` or ``ipc://...``; ucx: ``ucx://127.0.0.1:0``), default loopback
+    on a free port."""
+    cls = _classes(backend)[1]
+    return cls(kv_layers, **options) if bind is None else cls(kv_layers, bind, **options)

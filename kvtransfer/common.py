@@ -1,0 +1,248 @@
+"""What the host-memory backends share: layout checks, block gather/scatter, checksums, and
+the thread-safe table of transfer states.
+
+Per layer, a transfer moves one contiguous buffer::
+
+    kv_layers[l]                    [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    gather(kv_layers, src_ids)[l]   [len(src_ids), 2, block_size, num_kv_heads, head_dim]
+    scatter: kv_layers[l][dst_ids[i]] = buffer[l][i]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.base import KVLayout, KVPoll, TransferError
+from protocol.messages import KVHeader
+
+log = logging.getLogger("kvtransfer")
+
+Buffer = bytes | bytearray | memoryview
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def layout_of(kv_layers: Sequence[torch.Tensor]) -> KVLayout:
+    """The layout of a paged KV cache; ``ValueError`` if its layers disagree or are malformed."""
+    if not kv_layers:
+        raise ValueError("KV cache has no layers")
+    first = kv_layers[0]
+    if first.dim() != 5 or first.shape[1] != 2:
+        raise ValueError(
+            f"KV layer must be [num_blocks, 2, block_size, num_kv_heads, head_dim], "
+            f"got {list(first.shape)}"
+        )
+    for i, layer in enumerate(kv_layers):
+        if layer.shape != first.shape or layer.dtype != first.dtype:
+            raise ValueError(
+                f"KV layer {i} is {list(layer.shape)} {layer.dtype}, "
+                f"layer 0 is {list(first.shape)} {first.dtype}"
+            )
+    _, _, block_size, heads, head_dim = first.shape
+    return KVLayout(block_size, dtype_name(first.dtype), len(kv_layers), heads, head_dim)
+
+
+def check_host_layers(kv_layers: Sequence[torch.Tensor]) -> KVLayout:
+    """``layout_of``, plus: every layer is a contiguous CPU tensor (what host backends need)."""
+    layout = layout_of(kv_layers)
+    for i, layer in enumerate(kv_layers):
+        if layer.device.type != "cpu" or not layer.is_contiguous():
+            raise ValueError(f"KV layer {i} must be a contiguous CPU tensor, got {layer.device}")
+    return layout
+
+
+def block_shape(layout: KVLayout) -> list[int]:
+    return [2, layout.block_size, layout.num_kv_heads, layout.head_dim]
+
+
+def layer_nbytes(layout: KVLayout, num_blocks: int) -> int:
+    itemsize = torch.empty((), dtype=torch_dtype(layout.dtype)).element_size()
+    return num_blocks * math.prod(block_shape(layout)) * itemsize
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> None:
+    if not block_ids:
+        raise ValueError(f"{what}: no block ids")
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{what}: block ids {bad[:8]} outside [0, {num_blocks})")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"{what}: repeated block ids")
+
+
+def gather(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[torch.Tensor]:
+    """Copies of the listed blocks, one contiguous ``[n, 2, bs, H, D]`` tensor per layer."""
+    index = torch.tensor(block_ids, dtype=torch.long)
+    return [layer.index_select(0, index) for layer in kv_layers]
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy bytes of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def checksum(buffers: Sequence[Buffer]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for buf in buffers:
+        h.update(buf)
+    return h.digest()
+
+
+def make_header(
+    request_id: str,
+    dst_block_ids: Sequence[int],
+    staged: Sequence[torch.Tensor],
+    *,
+    with_checksum: bool,
+    tag: int = 0,
+) -> KVHeader:
+    return KVHeader(
+        request_id=request_id,
+        dst_block_ids=list(dst_block_ids),
+        num_layers=len(staged),
+        dtype=dtype_name(staged[0].dtype),
+        block_shape=list(staged[0].shape[1:]),
+        checksum=checksum([as_bytes(t) for t in staged]) if with_checksum else None,
+        tag=tag,
+    )
+
+
+def header_problem(
+    h: KVHeader, layout: KVLayout, dst_block_ids: list[int], require_checksum: bool
+) -> str | None:
+    """Why a transfer's header does not fit the expected one, or None when it does."""
+    if require_checksum and h.checksum is None:
+        return "no checksum sent, one is required"
+    if h.num_layers != layout.num_layers:
+        return f"{h.num_layers} layers sent, the cache has {layout.num_layers}"
+    if h.dtype != layout.dtype:
+        return f"dtype {h.dtype!r} sent, the cache holds {layout.dtype!r}"
+    if h.block_shape != block_shape(layout):
+        return f"block shape {h.block_shape} sent, the cache has {block_shape(layout)}"
+    if h.dst_block_ids != dst_block_ids:
+        return f"destination blocks {h.dst_block_ids[:8]} differ from the expected ones"
+    return None
+
+
+def payload_problem(h: KVHeader, layout: KVLayout, buffers: Sequence[Buffer]) -> str | None:
+    """Why the layer buffers do not match their (already checked) header, or None."""
+    if len(buffers) != layout.num_layers:
+        return f"{len(buffers)} layer buffers for {layout.num_layers} layers"
+    want = layer_nbytes(layout, len(h.dst_block_ids))
+    sizes = {memoryview(b).nbytes for b in buffers}
+    if sizes != {want}:
+        return f"layer buffers of {sorted(sizes)} bytes, expected {want}"
+    if h.checksum is not None and checksum(buffers) != h.checksum:
+        return "checksum mismatch"
+    return None
+
+
+def scatter(
+    kv_layers: Sequence[torch.Tensor], dst_block_ids: list[int], buffers: Sequence[Buffer]
+) -> None:
+    """kv_layers[l][dst_block_ids[i]] = block i of buffers[l], for every layer."""
+    index = torch.tensor(dst_block_ids, dtype=torch.long)
+    for layer, buf in zip(kv_layers, buffers, strict=True):
+        src = torch.frombuffer(buf, dtype=torch.uint8).view(layer.dtype)
+        layer.index_copy_(0, index, src.view(len(dst_block_ids), *layer.shape[1:]))
+
+
+@dataclass
+class Entry:
+    state: KVPoll
+    deadline: float
+    block_ids: list[int]
+    reason: str | None = None
+
+
+class TransferTable:
+    """request id -> state, deadline, reason; shared by a backend's caller and its thread.
+
+    Hold ``lock`` across a check-then-write (the receiver holds it while scattering, so a
+    concurrent ``release`` never lets a late transfer write into blocks freed meanwhile).
+    """
+
+    def __init__(self, side: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.side = side
+        self.clock = clock
+        self.lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+
+    def add(self, request_id: str, timeout_s: float, block_ids: Sequence[int]) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"{self.side} {request_id!r}: timeout_s must be > 0")
+        with self.lock:
+            if request_id in self._entries:
+                raise ValueError(f"{self.side}: request id {request_id!r} is already in use")
+            deadline = self.clock() + timeout_s
+            self._entries[request_id] = Entry(KVPoll.PENDING, deadline, list(block_ids))
+
+    def get(self, request_id: str) -> Entry | None:
+        return self._entries.get(request_id)
+
+    def poll(self, request_id: str) -> KVPoll:
+        with self.lock:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                raise TransferError(f"{self.side}: unknown request id {request_id!r}")
+            self._expire_one(request_id, entry)
+            return entry.state
+
+    def reason(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.reason
+
+    def advance(self, request_id: str, state: KVPoll, reason: str | None = None) -> bool:
+        """Move an unfinished transfer to ``state``; False if it is gone or already finished."""
+        with self.lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.state.finished:
+                return False
+            entry.state, entry.reason = state, reason
+        if state is KVPoll.FAILED:
+            log.warning("%s: transfer %r failed: %s", self.side, request_id, reason)
+        return True
+
+    def expire(self) -> list[str]:
+        """Fail every unfinished transfer past its deadline; their request ids."""
+        with self.lock:
+            return [rid for rid, e in list(self._entries.items()) if self._expire_one(rid, e)]
+
+    def _expire_one(self, request_id: str, entry: Entry) -> bool:
+        if entry.state.finished or self.clock() < entry.deadline:
+            return False
+        return self.advance(request_id, KVPoll.FAILED, "timed out")
+
+    def pop(self, request_id: str) -> Entry | None:
+        with self.lock:
+            return self._entries.pop(request_id, None)
+
+
+class TableBacked:
+    """``poll`` / ``failure_reason`` / ``release`` of a backend that keeps a ``TransferTable``."""
+
+    _table: TransferTable
+
+    def poll(self, request_id: str) -> KVPoll:
+        return self._table.poll(request_id)
+
+    def failure_reason(self, request_id: str) -> str | None:
+        return self._table.reason(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._table.pop(request_id)

@@ -1,0 +1,241 @@
+"""Host-memory KV transfer over ZeroMQ (PUSH → PULL), the backend every CPU test uses.
+
+One transfer is one multipart message::
+
+    frame 0      KVHeader (protocol codec): request id, dst block ids, layers, dtype, checksum
+    frame 1+l    layer l: the gathered source blocks, [n, 2, block_size, H, D] raw bytes
+
+The sender gathers on the caller's thread (after ``send`` returns the source blocks may be
+overwritten) and hands the frames to zmq zero-copy from its own thread once a connection to
+the receiver is up (IMMEDIATE), retrying until the timeout; it is DONE when zmq has released
+every frame. The receiver's thread checks the header against its cache and the expected
+request, then scatters straight from zmq's frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from kvtransfer import common
+from kvtransfer.base import (
+    DEFAULT_TIMEOUT_S,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    TransferError,
+    TransferSpec,
+)
+from protocol.messages import KVHeader, ProtocolError, decode, encode
+from protocol.sockets import bound_address, make_socket
+
+log = logging.getLogger("kvtransfer.zmq")
+
+DEFAULT_BIND = "tcp://127.0.0.1:0"
+_IDLE_POLL_MS = 50
+_BUSY_POLL_MS = 1
+
+
+@dataclass
+class _Job:
+    spec: TransferSpec
+    staged: list[torch.Tensor]  # one [n, 2, bs, H, D] tensor per layer
+    frames: list | None = None  # header + zero-copy views of ``staged``, built once
+
+
+class ZmqKVSender(common.TableBacked, KVSender):
+    def __init__(self, *, checksum: bool = False, ctx: zmq.Context | None = None) -> None:
+        self.checksum = checksum
+        self._ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self._table = common.TransferTable("zmq sender")
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-zmq-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> None:
+        if self._stop.is_set():
+            raise TransferError("zmq sender is closed")
+        common.check_host_layers(kv_layers)
+        common.check_block_ids(spec.src_block_ids, kv_layers[0].shape[0], spec.request_id)
+        staged = common.gather(kv_layers, spec.src_block_ids)
+        self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
+        self._jobs.put(_Job(spec, staged))
+        self._wake_w.send(b"\0")
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake_w.send(b"\0")
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _header(self, spec: TransferSpec, staged: list[torch.Tensor]) -> KVHeader:
+        """The header for one transfer (tests override it to corrupt a checksum)."""
+        return common.make_header(
+            spec.request_id, spec.dst_block_ids, staged, with_checksum=self.checksum
+        )
+
+    # ---- sender thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        waiting: list[_Job] = []  # no live connection to their receiver yet (or queue full)
+        trackers: dict[str, zmq.MessageTracker] = {}
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                poller.poll(_BUSY_POLL_MS if trackers or waiting else _IDLE_POLL_MS)
+                self._drain_wakeups()
+                waiting += self._take_jobs()
+                waiting = [job for job in waiting if not self._push(job, sockets, trackers)]
+                for rid, tracker in list(trackers.items()):
+                    if tracker.done:
+                        del trackers[rid]
+                        self._table.advance(rid, KVPoll.DONE)
+                for rid in self._table.expire():
+                    trackers.pop(rid, None)
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=0)
+
+    def _take_jobs(self) -> list[_Job]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _push(self, job: _Job, sockets: dict, trackers: dict) -> bool:
+        """Hand one job to zmq; False to retry it later (no connection yet, queue full)."""
+        rid, address = job.spec.request_id, job.spec.address
+        entry = self._table.get(rid)
+        if entry is None or entry.state.finished:
+            return True  # released or timed out before it left
+        try:
+            sock = sockets.get(address)
+            if sock is None:
+                # IMMEDIATE: queue only on a live connection, so an absent receiver times out
+                options = {zmq.IMMEDIATE: 1}
+                sock = make_socket(self._ctx, zmq.PUSH, address, bind=False, options=options)
+                sockets[address] = sock
+            if job.frames is None:
+                header = encode(self._header(job.spec, job.staged))
+                job.frames = [*header, *(common.as_bytes(t) for t in job.staged)]
+            tracker = sock.send_multipart(job.frames, flags=zmq.NOBLOCK, copy=False, track=True)
+        except zmq.Again:
+            return False
+        except (OSError, zmq.ZMQError, ProtocolError) as exc:
+            self._table.advance(rid, KVPoll.FAILED, f"cannot send to {address}: {exc}")
+            return True
+        if self._table.advance(rid, KVPoll.TRANSFERRING):
+            trackers[rid] = tracker
+        return True
+
+
+class ZmqKVReceiver(common.TableBacked, KVReceiver):
+    def __init__(
+        self,
+        kv_layers: list[torch.Tensor],
+        bind: str = DEFAULT_BIND,
+        *,
+        require_checksum: bool = False,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self._layout = common.check_host_layers(kv_layers)
+        self._layers = kv_layers
+        self._num_blocks = kv_layers[0].shape[0]
+        self.require_checksum = require_checksum
+        self._ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self._table = common.TransferTable("zmq receiver")
+        self._sock = make_socket(self._ctx, zmq.PULL, bind, bind=True)
+        # no frame may exceed a whole layer of this cache
+        self._sock.setsockopt(zmq.MAXMSGSIZE, common.layer_nbytes(self._layout, self._num_blocks))
+        self._address = bound_address(self._sock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-zmq-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def expect(
+        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        common.check_block_ids(dst_block_ids, self._num_blocks, request_id)
+        self._table.add(request_id, timeout_s, dst_block_ids)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    # ---- receiver thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(_IDLE_POLL_MS, zmq.POLLIN):
+                frames = self._sock.recv_multipart(copy=False)
+                try:
+                    self._handle(frames)
+                except Exception:  # a bad transfer must never kill the receiver
+                    log.exception("zmq receiver: unexpected error handling a transfer")
+            self._table.expire()
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            header = decode([frames[0].buffer])
+        except ProtocolError as exc:
+            log.warning("zmq receiver: dropped a transfer with a bad header: %s", exc)
+            return
+        if not isinstance(header, KVHeader):
+            log.warning(
+                "zmq receiver: dropped a %s where a KVHeader belongs", type(header).__name__
+            )
+            return
+        rid = header.request_id
+        with self._table.lock:
+            entry = self._table.get(rid)
+            if entry is None or entry.state is not KVPoll.PENDING:
+                state = "unknown" if entry is None else entry.state.value
+                log.warning("zmq receiver: dropped a transfer for %s request %r", state, rid)
+                return
+            self._table.advance(rid, KVPoll.TRANSFERRING)
+            dst_ids = entry.block_ids
+        buffers = [f.buffer for f in frames[1:]]
+        problem = common.header_problem(header, self._layout, dst_ids, self.require_checksum)
+        problem = problem or common.payload_problem(header, self._layout, buffers)
+        with self._table.lock:
+            if self._table.get(rid) is not entry or entry.state.finished:
+                return  # released or timed out meanwhile: its blocks may belong to others now
+            if problem is None:
+                common.scatter(self._layers, dst_ids, buffers)
+            self._table.advance(rid, KVPoll.FAILED if problem else KVPoll.DONE, problem)

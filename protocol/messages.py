@@ -1,0 +1,299 @@
+"""Every message that crosses a process boundary (the codec is in ``protocol.codec``).
+
+Who sends what::
+
+    worker      ── Register, Heartbeat ──────────────────────────▶ coordinator
+    gateway     ── Generate, Abort ──────────────────────────────▶ coordinator
+    coordinator ── Reserve ─▶ decode ── Reserved ────────────────▶ coordinator
+    coordinator ── PrefillJob ─▶ prefill ── TransferDone ─▶ coordinator ─▶ decode
+    coordinator ── Abort ────────────────────────────────────────▶ prefill, decode
+    prefill (token 0), decode (1..n) ── TokenChunk ──────────────▶ gateway
+    prefill, decode ── Finished (one choice is over here) ───────▶ coordinator
+    any         ── RequestError ─────────────────────────────────▶ coordinator / gateway
+    kv sender   ── KVHeader + one raw frame per layer ───────────▶ kv receiver
+
+To add a message: a frozen dataclass with ``@message("<tag>")`` above ``@dataclass``; fields
+may be int, float, str, bool, bytes, ``X | None``, ``Literal[...]``, list/tuple/dict of
+those, or a nested (unregistered) frozen dataclass. Bump ``PROTOCOL_VERSION`` when an
+existing message changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "ClusterState",
+    "Finished",
+    "GatewayHello",
+    "Generate",
+    "Heartbeat",
+    "KVHeader",
+    "KVLayout",
+    "Message",
+    "PrefillJob",
+    "ProtocolError",
+    "Register",
+    "RequestError",
+    "Reserve",
+    "Reserved",
+    "SamplingSpec",
+    "ServedModel",
+    "TokenChunk",
+    "TokenLogprob",
+    "TransferDone",
+    "WorkerStatus",
+    "decode",
+    "encode",
+]
+
+Role = Literal["prefill", "decode", "both"]
+
+
+# ---- nested parts ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two workers must agree on to exchange KV blocks (``kvtransfer.check_layouts``)."""
+
+    block_size: int
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """``engine.sampling_params.SamplingParams`` on the wire: same fields, same defaults.
+
+    ``SamplingParams(**dataclasses.asdict(spec))`` rebuilds (and validates) it.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """``engine.sequence.TokenLogprob`` on the wire."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token id, logprob) alternatives, most likely first
+
+
+# ---- worker registry -------------------------------------------------------------------------
+
+
+@message("register")
+@dataclass(frozen=True)
+class Register(Message):
+    role: Role
+    worker_id: str
+    model: str
+    control_address: str  # where the coordinator sends Reserve / PrefillJob / Abort
+    transfer_address: str  # KV receiver address ("" for a prefill-only worker)
+    transfer_backend: str  # "zmq" | "ucx" | ...; paired workers must use the same one
+    layout: KVLayout
+    num_blocks: int
+    model_root: str = ""  # where the weights live (``root`` in /v1/models)
+    max_model_len: int = 0
+
+
+@message("heartbeat")
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    worker_id: str
+    free_blocks: int
+    used_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    queued_prompt_tokens: int
+
+
+# ---- gateways -------------------------------------------------------------------------------
+
+
+@message("gateway_hello")
+@dataclass(frozen=True)
+class GatewayHello(Message):
+    """Gateway → coordinator, about once a second: where to send its ``ClusterState``."""
+
+    stream_address: str
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    root: str
+    max_model_len: int
+    ready: bool  # at least one worker can prefill and one can decode it
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    role: Role
+    worker_id: str
+    model: str
+    used_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+
+
+@message("cluster_state")
+@dataclass(frozen=True)
+class ClusterState(Message):
+    """Coordinator → gateway, in answer to each ``GatewayHello``."""
+
+    models: list[ServedModel]
+    workers: list[WorkerStatus]
+
+
+# ---- request lifecycle -----------------------------------------------------------------------
+
+
+@message("generate")
+@dataclass(frozen=True)
+class Generate(Message):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    n: int
+    stream_address: str  # the gateway's token-stream address
+
+
+@message("reserve")
+@dataclass(frozen=True)
+class Reserve(Message):
+    """Coordinator → decode: hold blocks for the prompt's KV and remember the request."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # blocks are reserved for len(prompt_token_ids) tokens
+    sampling: SamplingSpec
+    n: int
+    stream_address: str
+    choice: int = 0  # which of the n choices, where each choice is reserved on its own
+
+
+@message("reserved")
+@dataclass(frozen=True)
+class Reserved(Message):
+    """Decode → coordinator: the reserved block ids, or ``error`` (and no blocks)."""
+
+    request_id: str
+    worker_id: str
+    block_ids: list[int]
+    transfer_address: str
+    error: str | None = None
+    choice: int = 0
+
+
+@message("prefill_job")
+@dataclass(frozen=True)
+class PrefillJob(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    n: int
+    decode_worker_id: str
+    dst_block_ids: list[int]  # on the decode worker, in token order
+    transfer_address: str  # the decode worker's KV receiver
+    stream_address: str  # token 0 goes straight to the gateway
+    choice: int = 0
+
+
+@message("transfer_done")
+@dataclass(frozen=True)
+class TransferDone(Message):
+    """Prefill → coordinator → decode: KV pushed; token 0 of every choice (index = choice)."""
+
+    request_id: str
+    first_token_ids: list[int]
+    first_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+    choice: int = 0
+
+
+@message("token_chunk")
+@dataclass(frozen=True)
+class TokenChunk(Message):
+    """New tokens of one choice; ``index`` is the position of ``token_ids[0]`` in the output."""
+
+    request_id: str
+    choice: int
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@message("finished")
+@dataclass(frozen=True)
+class Finished(Message):
+    """Worker → coordinator: one choice of a request is over on this worker (blocks freed)."""
+
+    request_id: str
+    choice: int
+    worker_id: str
+
+
+@message("abort")
+@dataclass(frozen=True)
+class Abort(Message):
+    request_id: str
+    reason: str
+    choice: int | None = None  # None: every choice of the request
+
+
+@message("request_error")
+@dataclass(frozen=True)
+class RequestError(Message):
+    request_id: str
+    status: int  # HTTP status the gateway answers with (429, 503, 500, ...)
+    message: str
+
+
+# ---- KV transfer -----------------------------------------------------------------------------
+
+
+@message("kv_header")
+@dataclass(frozen=True)
+class KVHeader(Message):
+    """First frame of a KV transfer; one buffer per layer follows it.
+
+    Layer buffer l: ``[len(dst_block_ids), *block_shape]`` elements of ``dtype``, the source
+    blocks in ``dst_block_ids`` order, C-contiguous.
+    """
+
+    request_id: str
+    dst_block_ids: list[int]
+    num_layers: int
+    dtype: str
+    block_shape: list[int]  # [2, block_size, num_kv_heads, head_dim]
+    checksum: bytes | None  # blake2b-128 over every layer buffer in order, or None
+    tag: int = 0  # transport tag of the layer buffers (ucx); 0 where unused

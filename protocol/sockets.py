@@ -1,0 +1,123 @@
+"""Small pyzmq helpers: sockets from address strings, typed send/recv, address builders.
+
+Addresses come from config. Local ones carry a per-launch run id so two launches on one
+machine never collide: ``ipc_address(run_dir, f"coordinator-{run_id}")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket as pysocket
+from pathlib import Path
+
+import zmq
+
+from protocol.codec import Message, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+_MAX_IPC_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
+
+
+def new_run_id() -> str:
+    """A short random suffix for one launch's socket names."""
+    return secrets.token_hex(4)
+
+
+def ipc_address(run_dir: str | Path, name: str) -> str:
+    path = Path(run_dir) / f"{name}.sock"
+    if len(str(path).encode()) > _MAX_IPC_PATH:
+        raise ValueError(f"ipc path {str(path)!r} is longer than {_MAX_IPC_PATH} bytes")
+    return f"ipc://{path}"
+
+
+def tcp_address(host: str, port: int) -> str:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (for tests; binding to ``:*`` avoids the race elsewhere)."""
+    with pysocket.socket(pysocket.AF_INET, pysocket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    address: str,
+    *,
+    bind: bool,
+    linger_ms: int = 0,
+    options: dict[int, int] | None = None,
+) -> zmq.Socket:
+    """A ``kind`` socket bound or connected to ``address``.
+
+    A bound ``tcp://host:*`` (or ``:0``) picks a free port: read it back with ``bound_address``.
+    """
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    for option, value in (options or {}).items():  # before bind/connect, where they apply
+        sock.setsockopt(option, value)
+    try:
+        if bind:
+            tcp_any = address.startswith("tcp://") and address.endswith(":0")
+            sock.bind(address[:-2] + ":*" if tcp_any else address)
+        else:
+            sock.connect(address)
+    except zmq.ZMQError as exc:
+        sock.close()
+        verb = "bind" if bind else "connect"
+        raise OSError(f"cannot {verb} {zmq.SocketType(kind).name} to {address}: {exc}") from exc
+    return sock
+
+
+def bound_address(sock: zmq.Socket) -> str:
+    """The address a socket actually bound to (port resolved)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def send_msg(
+    sock: zmq.Socket, msg: Message, *, identity: bytes | None = None, flags: int = 0
+) -> None:
+    """Send ``msg`` as one multipart message (to ``identity`` on a ROUTER socket)."""
+    frames = encode(msg)
+    sock.send_multipart(frames if identity is None else [identity, *frames], flags=flags)
+
+
+def recv_msg(sock: zmq.Socket, timeout_ms: int | None = None) -> Message | None:
+    """The next message, or None on timeout or on a malformed one (logged, dropped)."""
+    got = _recv(sock, timeout_ms, routed=False)
+    return None if got is None else got[1]
+
+
+def recv_routed(sock: zmq.Socket, timeout_ms: int | None = None) -> tuple[bytes, Message] | None:
+    """(sender identity, message) from a ROUTER socket; None on timeout or a bad message."""
+    return _recv(sock, timeout_ms, routed=True)
+
+
+def _recv(sock: zmq.Socket, timeout_ms: int | None, routed: bool) -> tuple[bytes, Message] | None:
+    if timeout_ms is not None and not sock.poll(timeout_ms, zmq.POLLIN):
+        return None
+    frames = sock.recv_multipart()
+    identity = b""
+    if routed:
+        if len(frames) < 2:
+            log.warning("dropped a routed message with %d frame(s)", len(frames))
+            return None
+        identity, frames = frames[0], frames[1:]
+    try:
+        return identity, decode(frames)
+    except ProtocolError as exc:
+        log.warning("dropped a bad message on %s: %s", _endpoint(sock), exc)
+        return None
+
+
+def _endpoint(sock: zmq.Socket) -> str:
+    try:
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT) or "a connected socket"
+    except zmq.ZMQError:
+        return "a socket"

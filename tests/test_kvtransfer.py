@@ -1,0 +1,329 @@
+"""kvtransfer: exact bytes land in exactly the listed blocks, over every host backend; bad,
+late, unexpected and corrupted transfers FAIL (or are dropped) without touching a block."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import zmq
+
+from kvtransfer import backends, make_receiver, make_sender
+from kvtransfer.base import (
+    KVLayout,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    TransferError,
+    TransferSpec,
+    check_layouts,
+)
+from kvtransfer.common import layout_of
+from kvtransfer.ucx_backend import ucx_unavailable_reason
+from protocol.sockets import free_port, ipc_address
+
+UCX_SKIP = ucx_unavailable_reason()
+BACKENDS = [
+    "zmq",
+    pytest.param("ucx", marks=pytest.mark.skipif(UCX_SKIP is not None, reason=str(UCX_SKIP))),
+]
+SHAPE = (10, 2, 4, 2, 8)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+
+
+def cache(seed: int, dtype: torch.dtype = torch.float32, shape=SHAPE, layers: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
+
+
+def wait(poll: Callable[[], KVPoll], timeout_s: float = 5.0) -> KVPoll:
+    deadline = time.monotonic() + timeout_s
+    while not (state := poll()).finished and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return state
+
+
+@pytest.fixture
+def make(request: pytest.FixtureRequest):
+    """make.receiver(layers, **kw) / make.sender(**kw) for the test's backend; all closed after."""
+    backend = request.node.callspec.params["backend"]
+    made: list[KVSender | KVReceiver] = []
+
+    class Make:
+        def receiver(self, layers, **kw) -> KVReceiver:
+            made.append(make_receiver(backend, layers, **kw))
+            return made[-1]
+
+        def sender(self, **kw) -> KVSender:
+            made.append(make_sender(backend, **kw))
+            return made[-1]
+
+    yield Make()
+    for obj in made:
+        obj.close()
+
+
+def assert_landed(dst, before, src, src_ids, dst_ids) -> None:
+    untouched = [b for b in range(dst[0].shape[0]) if b not in dst_ids]
+    for layer in range(len(dst)):
+        assert torch.equal(dst[layer][dst_ids], src[layer][src_ids])
+        assert torch.equal(dst[layer][untouched], before[layer][untouched])
+
+
+# ---- happy paths -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("dtype", "checksum"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_exact_bytes_in_listed_blocks_only(make, backend, dtype, checksum) -> None:
+    src, dst = cache(1, dtype), cache(2, dtype)
+    before = [t.clone() for t in dst]
+    receiver = make.receiver(dst, require_checksum=checksum)
+    sender = make.sender(checksum=checksum)
+    src_ids, dst_ids = [5, 0, 3], [2, 9, 4]
+    receiver.expect("r1", dst_ids, timeout_s=5)
+    assert receiver.poll("r1") is KVPoll.PENDING
+    sender.send(TransferSpec("r1", src_ids, dst_ids, receiver.address), src)
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
+    assert wait(lambda: sender.poll("r1")) is KVPoll.DONE
+    assert receiver.failure_reason("r1") is None
+    assert_landed(dst, before, src, src_ids, dst_ids)
+    receiver.release("r1")
+    sender.release("r1")
+    with pytest.raises(TransferError, match=r"unknown request id 'r1'"):
+        receiver.poll("r1")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_transfers_to_two_receivers(make, backend) -> None:
+    src, dst_a, dst_b = cache(1), cache(2), cache(3)
+    before_a, before_b = [t.clone() for t in dst_a], [t.clone() for t in dst_b]
+    a, b = make.receiver(dst_a), make.receiver(dst_b)
+    sender = make.sender(checksum=True)
+    jobs = [("r1", a, [0, 1], [7, 8]), ("r2", a, [2], [3]), ("r3", b, [9, 4, 6], [0, 5, 1])]
+    for rid, receiver, _, dst_ids in jobs:
+        receiver.expect(rid, dst_ids)
+    for rid, receiver, src_ids, dst_ids in jobs:
+        sender.send(TransferSpec(rid, src_ids, dst_ids, receiver.address), src)
+    for rid, receiver, _, _ in jobs:
+        assert wait(lambda r=receiver, i=rid: r.poll(i)) is KVPoll.DONE
+        assert wait(lambda i=rid: sender.poll(i)) is KVPoll.DONE
+    assert_landed(dst_a, before_a, src, [0, 1, 2], [7, 8, 3])
+    assert_landed(dst_b, before_b, src, [9, 4, 6], [0, 5, 1])
+
+
+def test_zmq_over_ipc(tmp_path) -> None:
+    src, dst = cache(1), cache(2)
+    receiver = make_receiver("zmq", dst, ipc_address(tmp_path, "kv-d0"))
+    sender = make_sender("zmq")
+    try:
+        assert receiver.address == f"ipc://{tmp_path}/kv-d0.sock"
+        receiver.expect("r1", [1])
+        sender.send(TransferSpec("r1", [4], [1], receiver.address), src)
+        assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
+        assert torch.equal(dst[2][1], src[2][4])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checksum_mismatch_fails_and_writes_nothing(make, backend, monkeypatch) -> None:
+    src, dst = cache(1), cache(2)
+    before = [t.clone() for t in dst]
+    receiver = make.receiver(dst)
+    sender = make.sender(checksum=True)
+    honest = sender._header
+    monkeypatch.setattr(
+        sender, "_header", lambda *a: dataclasses.replace(honest(*a), checksum=bytes(16))
+    )
+    receiver.expect("r1", [2, 3])
+    sender.send(TransferSpec("r1", [0, 1], [2, 3], receiver.address), src)
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
+    assert receiver.failure_reason("r1") == "checksum mismatch"
+    assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_required_checksum_fails(make, backend) -> None:
+    receiver = make.receiver(cache(2), require_checksum=True)
+    sender = make.sender(checksum=False)
+    receiver.expect("r1", [2])
+    sender.send(TransferSpec("r1", [0], [2], receiver.address), cache(1))
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
+    assert receiver.failure_reason("r1") == "no checksum sent, one is required"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timeout_fails_and_a_late_transfer_is_dropped(make, backend) -> None:
+    src, dst = cache(1), cache(2)
+    before = [t.clone() for t in dst]
+    receiver = make.receiver(dst)
+    receiver.expect("r1", [4], timeout_s=0.1)
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
+    assert receiver.failure_reason("r1") == "timed out"
+    sender = make.sender()
+    sender.send(TransferSpec("r1", [0], [4], receiver.address), src)
+    receiver.expect("r2", [5])  # the receiver keeps working after dropping the late one
+    sender.send(TransferSpec("r2", [1], [5], receiver.address), src)
+    assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
+    assert receiver.poll("r1") is KVPoll.FAILED
+    assert torch.equal(dst[0][4], before[0][4]) and torch.equal(dst[0][5], src[0][1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_fails_when_nobody_receives(make, backend) -> None:
+    sender = make.sender()
+    address = {"zmq": "tcp://127.0.0.1:{}", "ucx": "ucx://127.0.0.1:{}"}[backend]
+    address = address.format(free_port())
+    sender.send(TransferSpec("r1", [0], [0], address, timeout_s=0.3), cache(1))
+    assert wait(lambda: sender.poll("r1")) is KVPoll.FAILED
+    if backend == "zmq":  # zmq keeps trying to connect until the deadline
+        assert sender.failure_reason("r1") == "timed out"
+    else:  # UCX learns at once that the connection was refused
+        assert sender.failure_reason("r1").startswith(f"cannot connect to {address}: ")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("release_first", [False, True])
+def test_unexpected_or_released_transfer_is_dropped(make, backend, release_first) -> None:
+    src, dst = cache(1), cache(2)
+    before = [t.clone() for t in dst]
+    receiver = make.receiver(dst)
+    sender = make.sender()
+    if release_first:
+        receiver.expect("r1", [6])
+        receiver.release("r1")
+    sender.send(TransferSpec("r1", [0], [6], receiver.address), src)
+    assert wait(lambda: sender.poll("r1")) is KVPoll.DONE  # sent, though nobody wanted it
+    receiver.expect("r2", [7])
+    sender.send(TransferSpec("r2", [1], [7], receiver.address), src)
+    assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
+    with pytest.raises(TransferError, match="unknown request id 'r1'"):
+        receiver.poll("r1")
+    assert torch.equal(dst[1][6], before[1][6]) and torch.equal(dst[1][7], src[1][1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("src_kw", "reason"),
+    [
+        ({"shape": (10, 2, 4, 2, 4)}, "block shape [2, 4, 2, 4] sent, the cache has [2, 4, 2, 8]"),
+        ({"dtype": torch.bfloat16}, "dtype 'bfloat16' sent, the cache holds 'float32'"),
+        ({"layers": 2}, "2 layers sent, the cache has 3"),
+    ],
+)
+def test_layout_mismatch_on_the_wire_fails(make, backend, src_kw, reason) -> None:
+    dst = cache(2)
+    receiver = make.receiver(dst)
+    sender = make.sender()
+    receiver.expect("r1", [1])
+    sender.send(TransferSpec("r1", [0], [1], receiver.address), cache(1, **src_kw))
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
+    assert receiver.failure_reason("r1") == reason
+    receiver.expect("r2", [3])  # what was drained does not confuse the next transfer
+    sender.send(TransferSpec("r2", [0], [3], receiver.address), cache(5))
+    assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
+    assert torch.equal(dst[0][3], cache(5)[0][0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_destination_blocks_fail(make, backend) -> None:
+    dst = cache(2)
+    before = [t.clone() for t in dst]
+    receiver = make.receiver(dst)
+    sender = make.sender()
+    receiver.expect("r1", [1, 2])
+    sender.send(TransferSpec("r1", [0, 1], [2, 1], receiver.address), cache(1))
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
+    assert (
+        receiver.failure_reason("r1") == "destination blocks [2, 1] differ from the expected ones"
+    )
+    assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["zmq"])
+def test_garbage_frames_do_not_kill_the_receiver(make, backend) -> None:
+    src, dst = cache(1), cache(2)
+    receiver = make.receiver(dst)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(receiver.address)
+    push.send_multipart([b"\xc1", b"junk"])
+    push.send_multipart([b"\x80"])
+    push.close(linger=1000)
+    ctx.term()
+    sender = make.sender()
+    receiver.expect("r1", [1])
+    sender.send(TransferSpec("r1", [0], [1], receiver.address), src)
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
+
+
+# ---- API edges -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_arguments_and_close(make, backend) -> None:
+    receiver = make.receiver(cache(2))
+    sender = make.sender()
+    with pytest.raises(ValueError, match=r"^r1: block ids \[10\] outside \[0, 10\)$"):
+        receiver.expect("r1", [3, 10])
+    with pytest.raises(ValueError, match=r"^r1: repeated block ids$"):
+        receiver.expect("r1", [3, 3])
+    receiver.expect("r1", [3])
+    with pytest.raises(ValueError, match=r"request id 'r1' is already in use"):
+        receiver.expect("r1", [4])
+    with pytest.raises(TransferError, match=r"unknown request id 'nope'"):
+        sender.poll("nope")
+    receiver.release("never-seen")  # a no-op
+    sender.close()
+    sender.close()
+    with pytest.raises(TransferError, match=r"sender is closed"):
+        sender.send(TransferSpec("r1", [0], [3], receiver.address), cache(1))
+    receiver.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-")]
+
+
+def test_transfer_spec_and_factory_errors() -> None:
+    with pytest.raises(ValueError, match=r"^transfer 'r1': 2 source blocks but 1 destination"):
+        TransferSpec("r1", [0, 1], [2], "tcp://x:1")
+    with pytest.raises(ValueError, match=r"^transfer 'r1': no blocks to send$"):
+        TransferSpec("r1", [], [], "tcp://x:1")
+    with pytest.raises(ValueError) as info:
+        make_sender("nccl")
+    assert str(info.value) == "unknown KV transfer backend 'nccl'; available: host, ucx, zmq"
+    assert backends() == ["host", "ucx", "zmq"]
+    with make_sender("host") as sender:
+        assert type(sender).__name__ == "ZmqKVSender"
+
+
+def test_layouts() -> None:
+    layers = cache(1, torch.bfloat16)
+    assert layout_of(layers) == KVLayout(4, "bfloat16", 3, 2, 8)
+    with pytest.raises(ValueError, match=r"KV layer 1 is \[10, 2, 4, 2, 8\] torch.float32"):
+        layout_of([layers[0], layers[1].float()])
+    a = KVLayout(16, "bfloat16", 2, 2, 64)
+    check_layouts(a, a)
+    with pytest.raises(LayoutMismatchError) as info:
+        check_layouts(a, KVLayout(32, "float32", 2, 2, 64), names=("prefill p0", "decode d0"))
+    assert str(info.value) == (
+        "KV layouts of prefill p0 and decode d0 differ: block_size prefill p0=16 decode d0=32, "
+        "dtype prefill p0='bfloat16' decode d0='float32'"
+    )
+
+
+def test_ucx_backend_without_ucxx(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ucxx._lib.libucxx", None)  # as if ucxx were absent
+    reason = ucx_unavailable_reason()
+    assert reason is not None and reason.startswith("ucxx is not importable: ")
+    with pytest.raises(TransferError, match=r"^ucxx is not importable: "):
+        make_sender("ucx")

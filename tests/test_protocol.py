@@ -1,0 +1,362 @@
+"""protocol: every message round-trips; malformed frames raise ProtocolError with a clear
+message and nothing else; socket helpers move typed messages and drop bad ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+
+from protocol import sockets
+from protocol.codec import registered
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    ClusterState,
+    Finished,
+    GatewayHello,
+    Generate,
+    Heartbeat,
+    KVHeader,
+    KVLayout,
+    PrefillJob,
+    ProtocolError,
+    Register,
+    RequestError,
+    Reserve,
+    Reserved,
+    SamplingSpec,
+    ServedModel,
+    TokenChunk,
+    TokenLogprob,
+    TransferDone,
+    WorkerStatus,
+    decode,
+    encode,
+)
+
+SPEC = SamplingSpec(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2, 9])
+LOGPROB = TokenLogprob(token_id=5, logprob=-0.25, rank=2, top=[(4, -0.125), (5, -0.25)])
+LAYOUT = KVLayout(block_size=16, dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16)
+SAMPLES = [
+    Register("both", "w0", "tiny", "ipc://c", "tcp://127.0.0.1:5", "zmq", LAYOUT, 128),
+    Heartbeat(
+        "w0",
+        free_blocks=100,
+        used_blocks=28,
+        total_blocks=128,
+        running=3,
+        waiting=1,
+        queued_prompt_tokens=512,
+    ),
+    Generate("r1", "tiny", [1, 2, 3], SPEC, n=2, stream_address="ipc://gw"),
+    Reserve("r1", [1, 2, 3], SPEC, n=1, stream_address="ipc://gw"),
+    Reserved("r1", "d0", [4, 9], "tcp://127.0.0.1:6", choice=1),
+    Reserved("r2", "d0", [], "tcp://127.0.0.1:6", error="no free blocks"),
+    PrefillJob("r1", [1, 2, 3], SPEC, 1, "d0", [4, 9], "tcp://127.0.0.1:6", "ipc://gw"),
+    TransferDone("r1", [42, 43], [LOGPROB, LOGPROB], num_cached_tokens=16),
+    TokenChunk("r1", 0, 1, [7, 8], None, False, None, 3, 0),
+    TokenChunk("r1", 1, 3, [2], [LOGPROB], True, "stop", 3, 16),
+    Abort("r1", "client disconnected"),
+    RequestError("r1", 503, "no decode worker"),
+    Finished("r1", 1, "d0"),
+    GatewayHello("tcp://127.0.0.1:5557"),
+    ClusterState(
+        [ServedModel("tiny", "/models/tiny", 2048, True)],
+        [WorkerStatus("decode", "d0", "tiny", 3, 100, 2, 0)],
+    ),
+    KVHeader("r1", [4, 9], 2, "float32", [2, 16, 2, 16], b"\x01" * 16, tag=77),
+]
+
+
+def frame0(**fields: object) -> list[bytes]:
+    return [msgpack.packb(fields, use_bin_type=True)]
+
+
+def abort_frames(**overrides: object) -> list[bytes]:
+    fields = {
+        "type": "abort",
+        "v": PROTOCOL_VERSION,
+        "request_id": "r1",
+        "reason": "x",
+        "choice": None,
+    }
+    fields.update(overrides)
+    return frame0(**{k: v for k, v in fields.items() if v is not ...})
+
+
+def decode_error(frames: list[bytes]) -> str:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    return str(info.value)
+
+
+# ---- round trips -----------------------------------------------------------------------------
+
+
+def test_every_registered_message_has_a_sample() -> None:
+    assert {type(m).TYPE for m in SAMPLES} == set(registered())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: f"{type(m).__name__}")
+def test_round_trip(msg: object) -> None:
+    frames = encode(msg)
+    assert len(frames) == 1
+    back = decode(frames)
+    assert type(back) is type(msg)
+    assert back == msg
+
+
+def test_wire_form_is_a_tagged_versioned_map() -> None:
+    (frame,) = encode(Abort("r1", "client disconnected"))
+    assert msgpack.unpackb(frame) == {
+        "type": "abort",
+        "v": 1,
+        "request_id": "r1",
+        "reason": "client disconnected",
+        "choice": None,
+    }
+
+
+def test_nested_values_come_back_typed() -> None:
+    back = decode(encode(TransferDone("r1", [1], [LOGPROB])))
+    assert back.first_logprobs[0].top == [(4, -0.125), (5, -0.25)]
+    assert type(back.first_logprobs[0].top[0]) is tuple
+    spec = decode(encode(Generate("r", "m", [1], SamplingSpec(temperature=0), 1, "a"))).sampling
+    assert spec.temperature == 0.0 and type(spec.temperature) is float
+
+
+def test_large_bytes_travel_as_extra_frames() -> None:
+    payload = bytes(range(256)) * 20  # 5120 bytes, over the out-of-band threshold
+    msg = KVHeader("r1", [1], 1, "float32", [2, 1, 1, 1], payload)
+    frames = encode(msg)
+    assert len(frames) == 2 and frames[1] == payload
+    assert decode(frames) == msg
+    assert decode_error([frames[0]]) == "KVHeader.checksum: bad frame reference 1"
+    assert decode_error([*frames, b"x"]) == "KVHeader: 1 unreferenced extra frame(s)"
+
+
+def test_sampling_spec_mirrors_sampling_params() -> None:
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import TokenLogprob as EngineLogprob
+
+    assert dataclasses.asdict(SamplingSpec()) == dataclasses.asdict(SamplingParams())
+    params = SamplingParams(**dataclasses.asdict(SPEC))
+    assert (params.max_tokens, params.top_k, params.stop_token_ids) == (7, 3, [2, 9])
+    engine_fields = [f.name for f in dataclasses.fields(EngineLogprob)]
+    assert [f.name for f in dataclasses.fields(TokenLogprob)] == engine_fields
+
+
+# ---- rejections ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([], "empty message: no frames"),
+        (frame0(type="nope", v=1), "unknown message type 'nope'"),
+        (frame0(v=1), "message type must be a str, got NoneType"),
+        ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
+        (abort_frames(v=2), "Abort: protocol version 2, expected 1"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 1"),
+        (abort_frames(v=...), "Abort: missing protocol version 'v'"),
+        (abort_frames(reason=...), "Abort: missing field 'reason'"),
+        (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
+        (abort_frames(reason=3), "Abort.reason: expected str, got int"),
+        (abort_frames(reason=b"x"), "Abort.reason: expected str, got bytes"),
+    ],
+)
+def test_malformed_envelope(frames: list[bytes], message: str) -> None:
+    assert decode_error(frames) == message
+
+
+def generate_frames(**changes: object) -> list[bytes]:
+    (frame,) = encode(Generate("r1", "tiny", [1, 2, 3], SPEC, 1, "ipc://gw"))
+    fields = msgpack.unpackb(frame)
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        target = fields
+        for p in parents:
+            target = target[p]
+        if value is ...:
+            del target[leaf]
+        else:
+            target[leaf] = value
+    return [msgpack.packb(fields, use_bin_type=True)]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"n": True}, "Generate.n: expected int, got bool"),
+        ({"n": 1.0}, "Generate.n: expected int, got float"),
+        ({"prompt_token_ids": "abc"}, "Generate.prompt_token_ids: expected list[int], got str"),
+        ({"prompt_token_ids": [1, "2"]}, "Generate.prompt_token_ids[1]: expected int, got str"),
+        ({"sampling": [1]}, "Generate.sampling: expected SamplingSpec, got list"),
+        (
+            {"sampling__temperature": "hot"},
+            "Generate.sampling.temperature: expected float, got str",
+        ),
+        ({"sampling__seed": ...}, "Generate.sampling: missing field 'seed'"),
+        ({"sampling__beam": 2}, "Generate.sampling: unexpected field 'beam'"),
+        ({"sampling__seed": "7"}, "Generate.sampling.seed: expected int, got str"),
+        ({"sampling__ignore_eos": 0}, "Generate.sampling.ignore_eos: expected bool, got int"),
+        (
+            {"sampling__stop_token_ids": [None]},
+            "Generate.sampling.stop_token_ids[0]: expected int, got NoneType",
+        ),
+    ],
+)
+def test_wrong_field_types(changes: dict, message: str) -> None:
+    assert decode_error(generate_frames(**changes)) == message
+
+
+def test_optional_literal_tuple_and_bytes_fields() -> None:
+    (frame,) = encode(SAMPLES[0])
+    bad_role = {**msgpack.unpackb(frame), "role": "train"}
+    assert (
+        decode_error([msgpack.packb(bad_role)])
+        == "Register.role: expected one of ['prefill', 'decode', 'both'], got 'train'"
+    )
+    (frame,) = encode(TransferDone("r1", [1], [LOGPROB]))
+    fields = msgpack.unpackb(frame)
+    fields["first_logprobs"][0]["top"] = [[4, -0.1, 9]]
+    assert (
+        decode_error([msgpack.packb(fields)])
+        == "TransferDone.first_logprobs[0].top[0]: expected tuple[int, float], got list"
+    )
+    (frame,) = encode(SAMPLES[-1])
+    fields = {**msgpack.unpackb(frame), "checksum": "abc"}
+    assert decode_error([msgpack.packb(fields)]) == "KVHeader.checksum: expected bytes, got str"
+    fields["checksum"] = None
+    assert decode([msgpack.packb(fields)]).checksum is None
+
+
+def test_bad_frame_references_and_extensions() -> None:
+    (frame,) = encode(SAMPLES[-1])
+    fields = msgpack.unpackb(frame)
+    fields["checksum"] = msgpack.ExtType(1, (5).to_bytes(4, "little"))
+    assert decode_error([msgpack.packb(fields), b"x"]) == "KVHeader.checksum: bad frame reference 5"
+    fields["checksum"] = msgpack.ExtType(7, b"")
+    assert decode_error([msgpack.packb(fields)]) == "unknown msgpack extension 7 (0 bytes)"
+    fields["checksum"] = b"ok"
+    fields["num_layers"] = msgpack.ExtType(1, (1).to_bytes(4, "little"))
+    assert (
+        decode_error([msgpack.packb(fields), b"x"])
+        == "KVHeader.num_layers: expected int, got frame reference"
+    )
+
+
+def test_encode_validates_before_sending() -> None:
+    with pytest.raises(ProtocolError, match=r"^Abort.reason: expected str, got int$"):
+        encode(Abort("r1", 3))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match=r"^SamplingSpec is not a registered message$"):
+        encode(SPEC)  # type: ignore[arg-type]
+
+
+def test_fuzz_bytes_only_protocol_errors() -> None:
+    rng = random.Random(1234)
+    valid = [encode(m)[0] for m in SAMPLES]
+    outcomes = {"ok": 0, "rejected": 0}
+    for i in range(4000):
+        if i % 2:
+            raw = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+        else:  # a valid message with a few bytes flipped, and sometimes cut short
+            raw = bytearray(rng.choice(valid))
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.getrandbits(8)
+            raw = bytes(raw[: rng.randint(0, len(raw))]) if i % 3 == 0 else bytes(raw)
+        frames = [raw] + [b"\x00" * rng.randint(0, 8) for _ in range(rng.randint(0, 2))]
+        try:
+            decode(frames)  # anything but ProtocolError fails the test
+            outcomes["ok"] += 1
+        except ProtocolError:
+            outcomes["rejected"] += 1
+    assert outcomes["ok"] > 0 and outcomes["rejected"] > 3000
+
+
+def test_fuzz_values_only_protocol_errors() -> None:
+    rng = random.Random(99)
+    values = [None, 0, -1, 2**63, 1.5, True, "s", b"b", [], {}, [1, "a"], {"k": 1}, [[1, 2.0]]]
+    rejected = 0
+    for _ in range(3000):
+        fields = msgpack.unpackb(encode(rng.choice(SAMPLES))[0])
+        target = fields
+        while True:  # walk down to a random leaf and replace it
+            key = rng.choice(list(target)) if isinstance(target, dict) else None
+            if key is None or not isinstance(target[key], dict) or rng.random() < 0.3:
+                break
+            target = target[key]
+        if key is not None:
+            target[key] = rng.choice(values)
+        try:
+            msg = decode([msgpack.packb(fields, use_bin_type=True)])
+            assert fields["type"] == type(msg).TYPE
+        except ProtocolError:
+            rejected += 1
+    assert rejected > 2000
+
+
+def test_protocol_and_kvtransfer_base_import_no_torch() -> None:
+    code = (
+        "import sys, protocol.sockets, protocol.messages, kvtransfer.base; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- sockets ---------------------------------------------------------------------------------
+
+
+def test_addresses(tmp_path) -> None:
+    assert sockets.ipc_address(tmp_path, "gw-ab12") == f"ipc://{tmp_path}/gw-ab12.sock"
+    assert sockets.tcp_address("127.0.0.1", 5555) == "tcp://127.0.0.1:5555"
+    assert sockets.tcp_address("::1", 5555) == "tcp://[::1]:5555"
+    with pytest.raises(ValueError, match="longer than 107 bytes"):
+        sockets.ipc_address(tmp_path / ("d" * 120), "x")
+    with pytest.raises(ValueError, match=r"port must be in \[0, 65535\], got 70000"):
+        sockets.tcp_address("127.0.0.1", 70000)
+    assert len(sockets.new_run_id()) == 8 and sockets.new_run_id() != sockets.new_run_id()
+    assert 0 < sockets.free_port() < 65536
+
+
+@pytest.fixture
+def zctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def test_send_recv_over_ipc(tmp_path, zctx, caplog) -> None:
+    address = sockets.ipc_address(tmp_path, f"coord-{sockets.new_run_id()}")
+    pull = sockets.make_socket(zctx, zmq.PULL, address, bind=True)
+    push = sockets.make_socket(zctx, zmq.PUSH, address, bind=False)
+    assert sockets.recv_msg(pull, timeout_ms=10) is None
+    sockets.send_msg(push, SAMPLES[1])
+    assert sockets.recv_msg(pull, timeout_ms=2000) == SAMPLES[1]
+    push.send_multipart([b"\x92\x01\x02"])
+    with caplog.at_level(logging.WARNING):
+        assert sockets.recv_msg(pull, timeout_ms=2000) is None
+    assert "frame 0 must be a map, got list" in caplog.text
+    sockets.send_msg(push, SAMPLES[2])
+    assert sockets.recv_msg(pull, timeout_ms=2000) == SAMPLES[2]
+
+
+def test_router_dealer_and_bound_port(zctx) -> None:
+    router = sockets.make_socket(zctx, zmq.ROUTER, "tcp://127.0.0.1:0", bind=True)
+    address = sockets.bound_address(router)
+    assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
+    dealer = sockets.make_socket(zctx, zmq.DEALER, address, bind=False)
+    sockets.send_msg(dealer, SAMPLES[10])
+    identity, msg = sockets.recv_routed(router, timeout_ms=2000)
+    assert msg == SAMPLES[10]
+    sockets.send_msg(router, SAMPLES[11], identity=identity)
+    assert sockets.recv_msg(dealer, timeout_ms=2000) == SAMPLES[11]
+    with pytest.raises(OSError, match=r"^cannot bind PULL to tcp://256.0.0.1:1: "):
+        sockets.make_socket(zctx, zmq.PULL, "tcp://256.0.0.1:1", bind=True)
