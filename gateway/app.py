@@ -1,0 +1,156 @@
+"""The HTTP layer: one handler per endpoint; the work is in ``jobs``, ``generation``, ``stream``.
+
+POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from engine.tokenizer import Tokenizer
+from gateway.backend import Backend, BackendError, ModelInfo
+from gateway.errors import (
+    OpenAIError,
+    error_response,
+    from_backend,
+    install_error_handlers,
+    model_not_found,
+)
+from gateway.generation import Generation
+from gateway.jobs import Job, prepare_chat, prepare_completion
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.stream import collect, error_body, stream_events
+
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+
+
+def request_outcome(error: OpenAIError) -> str:
+    """The ``pdserve_requests_total`` outcome of a request answered with ``error``."""
+    if error.status in (429, 503):
+        return "rejected"
+    return "error" if error.status >= 500 else "invalid"
+
+
+def model_list(models: list[ModelInfo], served: Mapping[str, Tokenizer]) -> dict[str, Any]:
+    data = [
+        {
+            "id": m.id,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "pdserve",
+            "root": m.root,
+            "parent": None,
+            "max_model_len": m.max_model_len,
+        }
+        for m in models
+        if m.id in served
+    ]
+    return {"object": "list", "data": data}
+
+
+def create_app(
+    backend: Backend,
+    tokenizers: Mapping[str, Tokenizer],
+    *,
+    metrics: GatewayMetrics | None = None,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    """``tokenizers`` maps each served model name to its tokenizer; a model is available once
+    ``backend.models()`` lists it too. It may load them lazily: an ``OpenAIError`` raised by
+    ``tokenizers.get`` answers the request. ``lifespan`` runs around the server (it starts and
+    stops a backend that owns sockets)."""
+    metrics = metrics or GatewayMetrics()
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    def on_error(request: Request, error: OpenAIError) -> None:
+        if request.url.path in GENERATE_PATHS:
+            metrics.requests.inc(outcome=request_outcome(error))
+
+    install_error_handlers(app, on_error)
+
+    def lookup(model: str) -> tuple[Tokenizer, ModelInfo]:
+        tokenizer = tokenizers.get(model)
+        if tokenizer is None:
+            raise model_not_found(model)
+        info = next((m for m in backend.models() if m.id == model), None)
+        if info is None:
+            raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
+        return tokenizer, info
+
+    async def serve(job: Job, tokenizer: Tokenizer, request: Request) -> Response:
+        gen = Generation(backend, tokenizer, job, metrics)
+        try:
+            await gen.start()
+        except BackendError as e:
+            raise from_backend(e) from e
+        if job.stream:
+            # The background close aborts a stream the server never began to iterate.
+            return StreamingResponse(
+                stream_events(gen),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(gen.close),
+            )
+        return await complete(gen, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        tokenizer, info = lookup(body.model)
+        return await serve(prepare_chat(body, tokenizer, info), tokenizer, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        tokenizer, info = lookup(body.model)
+        return await serve(prepare_completion(body, tokenizer, info), tokenizer, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return model_list(backend.models(), tokenizers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not backend.health():
+            return error_response(OpenAIError(503, "the backend is not ready"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(metrics.render(backend.worker_stats()), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def complete(gen: Generation, request: Request) -> Response:
+    """Run a non-streaming generation; abort it if the client leaves first."""
+    work = asyncio.ensure_future(collect(gen))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        await gen.close()
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    error = work.exception()
+    if error is not None:
+        return error_response(error_body(error))  # counted by the generation, not on_error
+    return JSONResponse(work.result())
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

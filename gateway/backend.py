@@ -1,0 +1,98 @@
+"""What the gateway needs from the workers behind it, and nothing about how they are reached.
+
+The ZMQ client (gateway -> coordinator, token stream back from the workers) implements
+``Backend``; unit tests implement it with a scripted fake. The contract:
+
+- ``await submit(request)`` admits the request or raises ``BackendError`` (overloaded: 429,
+  unavailable: 503) before any token exists; it returns the request's token stream.
+- The stream yields ``TokenEvent``s for all ``n`` choices, interleaved, in any order: token 0
+  of a choice comes from the prefill worker, tokens 1.. from the decode worker, so an event may
+  arrive before one with a lower ``index``. The gateway reorders by ``index``.
+- Each choice ends with exactly one event whose ``finish_reason`` is set: ``"length"`` (max
+  tokens or context), or ``"stop"`` when the last token of that event is an eos / stop token id
+  (the gateway counts it but never shows its text). The stream ends after the last choice's
+  final event. A failure mid-stream raises ``BackendError`` from the iterator.
+- ``await abort(request_id)`` stops every choice of the request and frees its blocks; it is
+  idempotent and may be called after the request finished.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # keyword arguments of engine.sampling_params.SamplingParams
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one output position."""
+
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the k best, best first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    choice: int
+    index: int  # position of token_ids[0] in this choice's output
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids when requested
+    finish_reason: str | None = None  # "stop" | "length" on the choice's last event
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str  # served model name
+    root: str  # where the weights live
+    max_model_len: int
+    created: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    role: str  # "prefill" | "decode"
+    worker: str
+    kv_blocks_used: int
+    kv_blocks_total: int
+    requests_running: int
+    requests_waiting: int
+
+
+class BackendError(Exception):
+    """A failure the client should see; ``status`` is the HTTP status (429, 503 or 500)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class Backend(abc.ABC):
+    @abc.abstractmethod
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Admit ``request`` (or raise ``BackendError``) and return its token stream."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def models(self) -> list[ModelInfo]: ...
+
+    @abc.abstractmethod
+    def health(self) -> bool: ...
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """Load of every worker, for ``/metrics``."""
+        return []

@@ -1,0 +1,194 @@
+"""Drive one Job through the backend: submit, merge the token streams of its prompts, feed each
+choice's state machine, abort what a stop string ended, and account for it in the metrics.
+
+A prompt's backend request is aborted when every one of its choices has ended in the gateway
+but the backend has not finished them all (a stop string matched), and whenever the consumer
+goes away early (client disconnect) or the stream fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import anyio
+
+from engine.tokenizer import Tokenizer
+from gateway.backend import Backend, BackendError, TokenEvent
+from gateway.choices import ChoiceState, ChoiceUpdate
+from gateway.jobs import Job
+from gateway.logprobs import TokenTexts
+from gateway.metrics import GatewayMetrics
+
+_END = None  # what a pump puts on the queue when its stream is exhausted
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Generation:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        job: Job,
+        metrics: GatewayMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job = job
+        self._backend = backend
+        self._metrics = metrics
+        self._clock = clock
+        self._arrival = clock()
+        texts = TokenTexts(tokenizer) if job.logprobs else None
+        self.choices = [
+            ChoiceState(
+                i,
+                tokenizer,
+                job.stops,
+                job.skip_special_tokens,
+                job.requests[i // job.n].prompt_token_ids,
+                texts,
+            )
+            for i in range(job.num_choices)
+        ]
+        self._cached = [0] * len(job.requests)
+        self._streams: list[AsyncIterator[TokenEvent]] = []
+        self._open: set[int] = set()  # prompts whose backend request may still be running
+        self._first_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}
+        self._pumps: list[asyncio.Task[None]] = []
+        self._outcome: str | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in self.job.requests),
+            completion_tokens=sum(c.num_tokens for c in self.choices),
+            cached_tokens=sum(self._cached),
+        )
+
+    async def start(self) -> None:
+        """Submit every prompt; if one is refused, abort the others and raise ``BackendError``.
+
+        Outcomes are counted from ``updates`` on; a refusal is counted where it is answered."""
+        try:
+            for i, request in enumerate(self.job.requests):
+                self._open.add(i)  # before submit: a cancelled submit may still have landed
+                self._streams.append(await self._backend.submit(request))
+        except BaseException:
+            await self._abort_open()
+            raise
+        if self._metrics is not None:
+            self._metrics.prompt_tokens.inc(self.usage.prompt_tokens)
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Text deltas of every choice until all have finished. Use inside ``aclosing``."""
+        queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]] = asyncio.Queue()
+        self._pumps = [
+            asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(self._streams)
+        ]
+        outcome = "aborted"
+        try:
+            while self._open:
+                prompt, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if prompt not in self._open:
+                    continue
+                if item is _END:
+                    rid = self.job.requests[prompt].request_id
+                    raise BackendError(f"request {rid}: token stream ended before every choice")
+                update = self._on_event(prompt, item)
+                if update is not None:
+                    yield update
+                if self._prompt_done(prompt):
+                    self._pumps[prompt].cancel()
+                    await self._finish_prompt(prompt)
+            outcome = "success"
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            await self.close(outcome)
+
+    async def close(self, outcome: str = "aborted") -> None:
+        """Stop reading, abort whatever may still run, count the outcome; idempotent, and safe
+        while being cancelled. The HTTP layer calls it too, for a stream never iterated."""
+        for pump in self._pumps:
+            pump.cancel()
+        await self._abort_open()
+        if self._outcome is not None:
+            return
+        self._outcome = outcome
+        if self._metrics is not None:
+            self._metrics.requests.inc(outcome=outcome)
+            if outcome == "success":
+                self._metrics.e2e.observe(self._clock() - self._arrival)
+
+    def _on_event(self, prompt: int, event: TokenEvent) -> ChoiceUpdate | None:
+        if not 0 <= event.choice < self.job.n:
+            raise BackendError(f"choice {event.choice} out of range for n={self.job.n}")
+        self._cached[prompt] = max(self._cached[prompt], event.num_cached_tokens)
+        index = prompt * self.job.n + event.choice
+        update = self.choices[index].add(event)
+        if update is not None and update.num_tokens:
+            self._observe_tokens(index, update.num_tokens)
+        return update
+
+    def _observe_tokens(self, index: int, num_tokens: int) -> None:
+        if self._metrics is None:
+            return
+        now = self._clock()
+        if self._first_token_at is None:
+            self._first_token_at = now
+            self._metrics.ttft.observe(now - self._arrival)
+        # The tokens of one update share the time since the choice's previous update; after
+        # the choice's first token, its batch-mates arrived with it (out-of-order arrivals).
+        last = self._last_token_at.get(index)
+        gaps = (
+            [0.0] * (num_tokens - 1) if last is None else [(now - last) / num_tokens] * num_tokens
+        )
+        for gap in gaps:
+            self._metrics.itl.observe(gap)
+        self._last_token_at[index] = now
+        self._metrics.generation_tokens.inc(num_tokens)
+
+    def _prompt_done(self, prompt: int) -> bool:
+        n = self.job.n
+        return all(c.finished for c in self.choices[prompt * n : (prompt + 1) * n])
+
+    async def _finish_prompt(self, prompt: int) -> None:
+        n = self.job.n
+        self._open.discard(prompt)
+        if not all(c.backend_finished for c in self.choices[prompt * n : (prompt + 1) * n]):
+            await self._backend.abort(self.job.requests[prompt].request_id)
+
+    async def _abort_open(self) -> None:
+        """Abort every request that may still run; safe while being cancelled."""
+        with anyio.CancelScope(shield=True):
+            for prompt in sorted(self._open):
+                self._open.discard(prompt)
+                # The request is gone either way; an abort failure must not mask the cause.
+                with contextlib.suppress(Exception):
+                    await self._backend.abort(self.job.requests[prompt].request_id)
+
+
+async def _pump(
+    prompt: int,
+    stream: AsyncIterator[TokenEvent],
+    queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]],
+) -> None:
+    try:
+        async for event in stream:
+            queue.put_nowait((prompt, event))
+        queue.put_nowait((prompt, _END))
+    except Exception as e:
+        queue.put_nowait((prompt, e))

@@ -1,0 +1,148 @@
+"""From a validated OpenAI request to the backend requests that serve it: chat template,
+tokenization, context-length checks, sampling parameters."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.tokenizer import Tokenizer
+from gateway.backend import GenerateRequest, ModelInfo
+from gateway.errors import OpenAIError, invalid_request
+from gateway.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_supported,
+    sampling_kwargs,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Job:
+    """One OpenAI request: one backend request per prompt, ``n`` choices each."""
+
+    kind: Literal["chat", "completion"]
+    response_id: str
+    model: str
+    requests: list[GenerateRequest]
+    n: int = 1
+    stops: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.n
+
+
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> Job:
+    check_supported(req)
+    extra = dict(req.chat_template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(
+            req.template_messages(), add_generation_prompt=req.add_generation_prompt, **extra
+        )
+    except (ValueError, TypeError) as e:
+        raise invalid_request(str(e), "messages") from e
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    max_tokens = _max_tokens(len(ids), req.requested_max_tokens(), None, model, "messages")
+    request = _request(response_id, req, tokenizer, ids, max_tokens)
+    return _job("chat", response_id, req, [request])
+
+
+def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> Job:
+    check_supported(req)
+    prompts = _prompt_ids(req, tokenizer)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = []
+    for i, ids in enumerate(prompts):
+        max_tokens = _max_tokens(
+            len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, model, "prompt"
+        )
+        request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
+        requests.append(_request(request_id, req, tokenizer, ids, max_tokens))
+    return _job("completion", response_id, req, requests)
+
+
+def _job(
+    kind: Literal["chat", "completion"],
+    response_id: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    requests: list[GenerateRequest],
+) -> Job:
+    return Job(
+        kind=kind,
+        response_id=response_id,
+        model=req.model,
+        requests=requests,
+        n=req.n,
+        stops=req.stop_strings(),
+        skip_special_tokens=req.skip_special_tokens,
+        logprobs=req.requested_logprobs() is not None,
+        stream=req.stream,
+        include_usage=req.include_usage,
+    )
+
+
+def _request(
+    request_id: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    tokenizer: Tokenizer,
+    ids: list[int],
+    max_tokens: int,
+) -> GenerateRequest:
+    sampling = sampling_kwargs(req, max_tokens)
+    _check_ids(sampling.get("stop_token_ids", []), tokenizer, "stop_token_ids")
+    return GenerateRequest(request_id, req.model, ids, sampling, req.n)
+
+
+def _prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise invalid_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]  # one prompt given as token ids
+    out = []
+    for p in prompt:
+        ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise invalid_request("prompt must not be empty", "prompt")
+        _check_ids(ids, tokenizer, "prompt")
+        out.append(ids)
+    return out
+
+
+def _check_ids(ids: list[int], tokenizer: Tokenizer, param: str) -> None:
+    bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+    if bad:
+        message = f"token id {bad[0]} is outside the vocabulary (size {tokenizer.vocab_size})"
+        raise invalid_request(message, param)
+
+
+def _max_tokens(
+    prompt_len: int, requested: int | None, default: int | None, model: ModelInfo, param: str
+) -> int:
+    """``requested``, else ``default`` capped by the room left, else all the room left."""
+    room = model.max_model_len - prompt_len
+    if room < 1 or (requested is not None and requested > room):
+        asked = f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the {param}"
+        asked += f", {requested} in the completion)" if requested is not None else ")"
+        message = (
+            f"This model's maximum context length is {model.max_model_len} tokens. "
+            f"However, you requested {asked}. Please reduce the length of the {param}"
+            + (" or completion." if requested is not None else ".")
+        )
+        raise OpenAIError(400, message, param=param, code="context_length_exceeded")
+    if requested is not None:
+        return requested
+    return room if default is None else min(default, room)

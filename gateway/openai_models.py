@@ -1,0 +1,189 @@
+"""Request bodies of ``/v1/chat/completions`` and ``/v1/completions`` (OpenAI plus vLLM extras),
+and their conversion to ``SamplingParams`` keyword arguments.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Known fields that would
+change the output in a way this server cannot honour (tools, logit_bias, echo...) are refused
+with a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+from gateway.errors import OpenAIError, invalid_request
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP = 4
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+AnyRequest = ChatCompletionRequest | CompletionRequest
+
+
+def check_supported(req: AnyRequest) -> None:
+    """Refuse what parses but cannot be honoured; raises ``OpenAIError`` (400)."""
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request(
+            "stream_options is only allowed when stream is true", "stream_options"
+        )
+    if req.logit_bias:
+        raise invalid_request("logit_bias is not supported", "logit_bias")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+            raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.tools:
+            raise invalid_request("tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise invalid_request(
+                "only response_format type 'text' is supported", "response_format"
+            )
+    else:
+        if req.echo:
+            raise invalid_request("echo is not supported", "echo")
+        if req.suffix:
+            raise invalid_request("suffix is not supported", "suffix")
+
+
+def sampling_kwargs(req: AnyRequest, max_tokens: int) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments for ``req``, validated by ``SamplingParams`` itself.
+
+    Unset fields are left out, so the worker's defaults apply."""
+    values: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "seed": req.seed,
+        "stop_token_ids": req.stop_token_ids,
+        "min_tokens": req.min_tokens,
+        "logprobs": req.requested_logprobs(),
+    }
+    kwargs = {k: v for k, v in values.items() if v is not None}
+    if req.ignore_eos:
+        kwargs["ignore_eos"] = True
+    try:
+        SamplingParams(**kwargs)
+    except ValueError as e:
+        raise _sampling_error(str(e), req) from e
+    return kwargs
+
+
+def _sampling_error(message: str, req: AnyRequest) -> OpenAIError:
+    param = message.split(" ", 1)[0].strip("()")
+    if param == "max_tokens" and isinstance(req, ChatCompletionRequest):
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else param
+    if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+        param = "top_logprobs"
+    known = param in SamplingParams.__dataclass_fields__ or param in type(req).model_fields
+    return invalid_request(message, param if known else None)

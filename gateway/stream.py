@@ -1,0 +1,149 @@
+"""OpenAI response bodies: ``chat.completion`` / ``text_completion`` objects, their streamed
+chunks as server-sent events, and the two consumers of a ``Generation`` that build them.
+
+A stream, as OpenAI sends it (every chunk has one id and ``created``):
+
+    data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, ...}]}
+    data: {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}
+    data: {"choices": [], "usage": {...}}          only with stream_options.include_usage
+    data: [DONE]
+
+A failure after the first byte cannot change the status any more: it becomes
+``data: {"error": {...}}`` followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backend import BackendError
+from gateway.choices import ChoiceUpdate
+from gateway.errors import OpenAIError, from_backend, internal
+from gateway.generation import Generation, Usage
+from gateway.jobs import Job
+from gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _logprobs(job: Job, entries: list[LogprobEntry]) -> dict[str, Any] | None:
+    if not job.logprobs:
+        return None
+    return chat_logprobs(entries) if job.kind == "chat" else completion_logprobs(entries)
+
+
+def response_body(job: Job, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
+    choices = []
+    for index, r in enumerate(results):
+        choice: dict[str, Any] = {"index": index}
+        if job.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        choice["logprobs"] = _logprobs(job, r.logprobs)
+        choice["finish_reason"] = r.finish_reason
+        choices.append(choice)
+    return {
+        "id": job.response_id,
+        "object": "chat.completion" if job.kind == "chat" else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": usage_body(usage),
+    }
+
+
+def chunk_body(
+    job: Job, choices: list[dict[str, Any]], usage: Usage | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": job.response_id,
+        "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+    if job.include_usage:
+        body["usage"] = None if usage is None else usage_body(usage)
+    return body
+
+
+def chunk_choice(
+    job: Job, update: ChoiceUpdate, first: bool, logprobs: list[LogprobEntry]
+) -> dict[str, Any]:
+    """One choice of a chunk; ``first`` puts the role in a chat delta."""
+    choice: dict[str, Any] = {"index": update.index}
+    if job.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if first or update.text:
+            delta["content"] = update.text
+        choice["delta"] = delta
+    else:
+        choice["text"] = update.text
+    choice["logprobs"] = _logprobs(job, logprobs)
+    choice["finish_reason"] = update.finish_reason
+    return choice
+
+
+def error_body(error: BaseException) -> OpenAIError:
+    if isinstance(error, OpenAIError):
+        return error
+    return from_backend(error) if isinstance(error, BackendError) else internal(error)
+
+
+async def stream_events(gen: Generation) -> AsyncIterator[str]:
+    """The SSE body of a started generation; always ends with ``[DONE]``."""
+    job = gen.job
+    started: set[int] = set()
+    pending: dict[int, list[LogprobEntry]] = {i: [] for i in range(job.num_choices)}
+    try:
+        async with aclosing(gen.updates()) as updates:
+            async for update in updates:
+                pending[update.index] += update.logprobs
+                first = update.index not in started
+                if not (first or update.text or update.finish_reason):
+                    continue  # text held back (partial character, possible stop string)
+                started.add(update.index)
+                logprobs, pending[update.index] = pending[update.index], []
+                yield sse(chunk_body(job, [chunk_choice(job, update, first, logprobs)]))
+        if job.include_usage:
+            yield sse(chunk_body(job, [], gen.usage))
+    except Exception as e:
+        yield sse(error_body(e).body())
+    yield SSE_DONE
+
+
+async def collect(gen: Generation) -> dict[str, Any]:
+    """The non-streaming response body of a started generation."""
+    results = [ChoiceResult() for _ in range(gen.job.num_choices)]
+    async with aclosing(gen.updates()) as updates:
+        async for update in updates:
+            result = results[update.index]
+            result.text += update.text
+            result.logprobs += update.logprobs
+            result.finish_reason = update.finish_reason or result.finish_reason
+    return response_body(gen.job, results, gen.usage)

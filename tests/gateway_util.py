@@ -1,0 +1,238 @@
+"""Gateway test helpers: a scripted fake backend (a test double standing in for the ZMQ client
+until the real one exists), a real uvicorn server on a free loopback port, and a strict parser
+of the Prometheus text format."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.backend import (
+    Backend,
+    BackendError,
+    GenerateRequest,
+    ModelInfo,
+    TokenEvent,
+    TokenLogprobs,
+    WorkerStats,
+)
+
+
+def fake_logprobs(token_id: int, index: int, k: int, vocab_size: int) -> TokenLogprobs:
+    """Deterministic logprobs: -(index + 1) / 10 for the sampled token, alternatives below it."""
+    lp = -(index + 1) / 10
+    top = tuple(((token_id + j) % vocab_size, lp - j) for j in range(k))
+    return TokenLogprobs(lp, top)
+
+
+@dataclass
+class Script:
+    """What the fake generates: token ids per choice (choice c plays ``choices[c % len]``)."""
+
+    choices: list[list[int]]
+    finish: str = "stop"  # finish reason when a choice's ids run out (its last id is the eos)
+    prefill_last: bool = False  # token 0 of every choice arrives after all decode tokens
+    decode_batch: int = 1  # tokens per decode event
+    cached_tokens: int = 0
+    fail_after: int | None = None  # raise BackendError instead of the k-th event
+    hang_after: int | None = None  # send k events, then nothing until aborted
+    reject_status: int | None = None  # refuse the submit with this status
+    crash_on_submit: bool = False  # a bug in the backend client, not a refusal
+    vocab_size: int = 2048
+
+
+def plan(request: GenerateRequest, script: Script) -> list[TokenEvent]:
+    """The events prefill + decode workers would send, in the order they arrive."""
+    max_tokens = request.sampling["max_tokens"]
+    k = request.sampling.get("logprobs")
+    prefill, decode = [], []
+    for c in range(request.n):
+        ids = script.choices[c % len(script.choices)]
+        finish = "length" if len(ids) > max_tokens else script.finish
+        ids = ids[:max_tokens]
+        spans = [(0, 1)] + [
+            (i, min(i + script.decode_batch, len(ids)))
+            for i in range(1, len(ids), script.decode_batch)
+        ]
+        events = [
+            TokenEvent(
+                choice=c,
+                index=start,
+                token_ids=ids[start:end],
+                logprobs=None
+                if k is None
+                else [
+                    fake_logprobs(t, start + j, k, script.vocab_size)
+                    for j, t in enumerate(ids[start:end])
+                ],
+                finish_reason=finish if end == len(ids) else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=script.cached_tokens if start == 0 else 0,
+            )
+            for start, end in spans
+        ]
+        prefill.append(events[0])
+        decode.append(events[1:])
+    interleaved = [e for step in _round_robin(decode) for e in step]
+    return interleaved + prefill if script.prefill_last else prefill + interleaved
+
+
+def _round_robin(lists: list[list[TokenEvent]]) -> list[list[TokenEvent]]:
+    longest = max((len(x) for x in lists), default=0)
+    return [[x[i] for x in lists if i < len(x)] for i in range(longest)]
+
+
+@dataclass
+class FakeBackend(Backend):
+    """Test double for the ZMQ client: replays ``script`` for every submitted request."""
+
+    model_infos: list[ModelInfo]
+    script: Script = field(default_factory=lambda: Script([[1]]))
+    healthy: bool = True
+    stats: list[WorkerStats] = field(default_factory=list)
+    submitted: list[GenerateRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def reset(self, script: Script) -> None:
+        self.script = script
+        self.submitted.clear()
+        self.aborted.clear()
+
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        script = self.script
+        if script.crash_on_submit:
+            raise RuntimeError("client bug")
+        if script.reject_status is not None:
+            raise BackendError("no capacity", script.reject_status)
+        self.submitted.append(request)
+        self._abort_events[request.request_id] = asyncio.Event()
+        return self._events(request, script)
+
+    async def _events(self, request: GenerateRequest, script: Script) -> AsyncIterator[TokenEvent]:
+        for i, event in enumerate(plan(request, script)):
+            await asyncio.sleep(0)
+            if i == script.fail_after:
+                raise BackendError("decode worker died", 500)
+            if i == script.hang_after:
+                await self._abort_events[request.request_id].wait()
+                return
+            yield event
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.sleep(0)  # a real abort sends a message: it suspends, and can be cancelled
+        self.aborted.append(request_id)
+        if request_id in self._abort_events:
+            self._abort_events[request_id].set()
+
+    def models(self) -> list[ModelInfo]:
+        return self.model_infos
+
+    def health(self) -> bool:
+        return self.healthy
+
+    def worker_stats(self) -> list[WorkerStats]:
+        return self.stats
+
+
+@contextlib.contextmanager
+def running_server(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+_SAMPLE = re.compile(
+    rf"^(?P<name>{_NAME})(?:\{{(?P<labels>{_LABEL}(?:,{_LABEL})*)\}})? "
+    r"(?P<value>[+-]?(?:Inf|NaN|[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?))$"
+)
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+Families = dict[str, tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]]
+
+
+def parse_prometheus(text: str) -> Families:
+    """Families by name: (type, {(sample name, labels): value}); fails on any format breach."""
+    assert text.endswith("\n") and not text.endswith("\n\n")
+    families: Families = {}
+    current: str | None = None
+    helped: set[str] = set()
+    for line in text[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            name = line.split(" ")[2]
+            assert re.fullmatch(_NAME, name) and name not in helped, line
+            helped.add(name)
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name in helped and name not in families and kind in _SUFFIXES, line
+            families[name] = (kind, {})
+            current = name
+        else:
+            match = _SAMPLE.match(line)
+            assert match and current is not None, line
+            kind, samples = families[current]
+            sample_name = match["name"]
+            assert sample_name in {current + s for s in _SUFFIXES[kind]}, line
+            labels = tuple(_LABEL_PAIR.findall(match["labels"] or ""))
+            assert len({k for k, _ in labels}) == len(labels), line
+            key = (sample_name, labels)
+            assert key not in samples, f"duplicate series: {line}"
+            value = match["value"]
+            samples[key] = float(value.replace("Inf", "inf"))
+    for name, (kind, samples) in families.items():
+        if kind == "histogram":
+            _check_histogram(name, samples)
+    return families
+
+
+def _check_histogram(name: str, samples: dict) -> None:
+    series: dict[tuple, list[tuple[float, float]]] = {}
+    for (sample, labels), value in samples.items():
+        if sample == name + "_bucket":
+            rest = tuple(p for p in labels if p[0] != "le")
+            le = dict(labels)["le"]
+            series.setdefault(rest, []).append((float(le.replace("Inf", "inf")), value))
+    for rest, buckets in series.items():
+        bounds = [b for b, _ in buckets]
+        assert bounds == sorted(bounds) and bounds[-1] == math.inf
+        counts = [c for _, c in buckets]
+        assert counts == sorted(counts), "buckets must be cumulative"
+        assert samples[(name + "_count", rest)] == counts[-1]
+        assert (name + "_sum", rest) in samples

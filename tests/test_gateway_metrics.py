@@ -1,0 +1,91 @@
+"""The hand-written Prometheus registry, checked by a strict text-format parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.backend import WorkerStats
+from gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry
+from tests.gateway_util import parse_prometheus
+
+
+def test_exact_text_of_each_kind() -> None:
+    r = Registry()
+    c = r.add(Counter("jobs_total", "Jobs.", ["outcome"]))
+    g = r.add(Gauge("temp", 'Say "hi"\\now.'))
+    h = r.add(Histogram("lat_seconds", "Latency.", [0.1, 1.0]))
+    c.inc(outcome="ok")
+    c.inc(2, outcome='we"ird\n')
+    g.set(-1.5)
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert r.render() == (
+        "# HELP jobs_total Jobs.\n"
+        "# TYPE jobs_total counter\n"
+        'jobs_total{outcome="ok"} 1.0\n'
+        'jobs_total{outcome="we\\"ird\\n"} 2.0\n'
+        '# HELP temp Say "hi"\\\\now.\n'
+        "# TYPE temp gauge\n"
+        "temp -1.5\n"
+        "# HELP lat_seconds Latency.\n"
+        "# TYPE lat_seconds histogram\n"
+        'lat_seconds_bucket{le="0.1"} 2\n'
+        'lat_seconds_bucket{le="1.0"} 3\n'
+        'lat_seconds_bucket{le="+Inf"} 4\n'
+        "lat_seconds_sum 3.65\n"
+        "lat_seconds_count 4\n"
+    )
+    families = parse_prometheus(r.render())
+    assert families["jobs_total"][1][("jobs_total", (("outcome", 'we\\"ird\\n'),))] == 2.0
+
+
+def test_misuse_is_refused() -> None:
+    c = Counter("x_total", "x", ["a"])
+    with pytest.raises(ValueError, match="takes labels"):
+        c.inc(b="1")
+    with pytest.raises(ValueError, match="only goes up"):
+        c.inc(-1, a="1")
+    with pytest.raises(ValueError, match="increasing"):
+        Histogram("h", "h", [1.0, 0.5])
+    r = Registry()
+    r.add(Gauge("g", "g"))
+    with pytest.raises(ValueError, match="already registered"):
+        r.add(Gauge("g", "g"))
+
+
+def test_gateway_metrics_parse_and_track_workers() -> None:
+    m = GatewayMetrics()
+    m.requests.inc(outcome="success")
+    m.ttft.observe(0.2)
+    m.itl.observe(0.01)
+    m.e2e.observe(1.5)
+    m.prompt_tokens.inc(12)
+    m.generation_tokens.inc(30)
+    workers = [
+        WorkerStats("prefill", "p0", 10, 100, 1, 2),
+        WorkerStats("decode", "d0", 50, 200, 7, 0),
+    ]
+    families = parse_prometheus(m.render(workers))
+    assert {n: k for n, (k, _) in families.items()} == {
+        "pdserve_time_to_first_token_seconds": "histogram",
+        "pdserve_inter_token_latency_seconds": "histogram",
+        "pdserve_e2e_request_latency_seconds": "histogram",
+        "pdserve_requests_total": "counter",
+        "pdserve_prompt_tokens_total": "counter",
+        "pdserve_generation_tokens_total": "counter",
+        "pdserve_kv_blocks_used": "gauge",
+        "pdserve_kv_blocks_total": "gauge",
+        "pdserve_requests_running": "gauge",
+        "pdserve_requests_waiting": "gauge",
+    }
+    used = families["pdserve_kv_blocks_used"][1]
+    assert used == {
+        ("pdserve_kv_blocks_used", (("role", "decode"), ("worker", "d0"))): 50.0,
+        ("pdserve_kv_blocks_used", (("role", "prefill"), ("worker", "p0"))): 10.0,
+    }
+    ttft = families["pdserve_time_to_first_token_seconds"][1]
+    assert ttft[("pdserve_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 0
+    assert ttft[("pdserve_time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1
+    assert families["pdserve_prompt_tokens_total"][1] == {("pdserve_prompt_tokens_total", ()): 12}
+    families = parse_prometheus(m.render(workers[1:]))  # p0 left: its series go
+    assert len(families["pdserve_requests_waiting"][1]) == 1
