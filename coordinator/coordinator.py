@@ -1,0 +1,233 @@
+"""The coordinator: pairs each request's choices with a decode and a prefill worker.
+
+Route of one choice (``(request_id, choice)``)::
+
+    Generate ─▶ reserving ──Reserved(ids)──▶ prefilling ──TransferDone──▶ decoding ──Finished─▶ ·
+       │ (colocated pool: PrefillJob        │ Reserved(error)  │ Finished (token 0 ended it):
+       │  straight to one worker ─▶ local)  ▼ 503 to gateway   ▼ Abort the decode reservation
+    Abort from the gateway, RequestError from a worker, or a worker's death: every worker the
+    route touches gets an Abort; the gateway hears a RequestError (unless it asked).
+
+``Coordinator`` has no sockets: ``handle`` takes a message, ``tick`` expires dead workers,
+and everything it says goes through a ``CoordinatorOutbox``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.registry import WorkerRegistry
+from kvtransfer.base import LayoutMismatchError
+from protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorOutbox(Protocol):
+    def to_worker(self, worker_id: str, address: str, msg: m.Message) -> None: ...
+
+    def to_gateway(self, address: str, msg: m.Message) -> None: ...
+
+    def forget_worker(self, worker_id: str) -> None: ...
+
+
+@dataclass
+class Route:
+    request: m.Generate
+    choice: int
+    state: str  # reserving | prefilling | decoding | local
+    decode: str = ""
+    prefill: str = ""
+
+
+class Coordinator:
+    def __init__(self, outbox: CoordinatorOutbox, heartbeat_timeout_s: float = 5.0) -> None:
+        self.outbox = outbox
+        self.registry = WorkerRegistry(heartbeat_timeout_s)
+        self.routes: dict[tuple[str, int], Route] = {}
+
+    # ---- messages ---------------------------------------------------------------------------
+    def handle(self, msg: m.Message, now: float) -> None:
+        handler = {
+            m.Register: self._register,
+            m.Heartbeat: lambda hb, t: self.registry.heartbeat(hb, t),
+            m.GatewayHello: lambda h, _t: self.outbox.to_gateway(
+                h.stream_address, self.registry.cluster_state()
+            ),
+            m.Generate: self._generate,
+            m.Reserved: self._reserved,
+            m.TransferDone: self._transfer_done,
+            m.Finished: self._finished,
+            m.Abort: self._abort,
+            m.RequestError: self._worker_error,
+        }.get(type(msg))
+        if handler is None:
+            logger.warning("coordinator ignores %s", type(msg).__name__)
+            return
+        handler(msg, now)
+
+    def tick(self, now: float) -> None:
+        for worker in self.registry.expire(now):
+            self.outbox.forget_worker(worker.worker_id)
+            for key, route in list(self.routes.items()):
+                if worker.worker_id in (route.decode, route.prefill):
+                    self._fail(key, 503, f"worker {worker.worker_id} stopped responding")
+
+    def _register(self, info: m.Register, now: float) -> None:
+        try:
+            self.registry.register(info, now)
+        except LayoutMismatchError as e:
+            logger.error("refusing worker %s: %s", info.worker_id, e)
+            return
+        logger.info("registered %s worker %s for %s", info.role, info.worker_id, info.model)
+
+    def _generate(self, req: m.Generate, now: float) -> None:
+        reg = self.registry
+        if req.model not in reg.models():
+            self._error_to(req, 404, f"the model `{req.model}` does not exist")
+            return
+        if not reg.ready(req.model):
+            self._error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
+            return
+        for choice in range(req.n):
+            key = (req.request_id, choice)
+            if not reg.disaggregated(req.model):
+                self._run_colocated(req, choice)
+                continue
+            bs = self._block_size(req.model)
+            worker = reg.pick_decode(req.model, -(-(len(req.prompt_token_ids) + 1) // bs))
+            if worker is None:
+                self._fail(key, 503, "no decode worker has free KV blocks for this prompt", req)
+                return
+            self.routes[key] = Route(req, choice, "reserving", decode=worker.worker_id)
+            self._send(
+                worker.worker_id,
+                m.Reserve(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.sampling,
+                    req.n,
+                    req.stream_address,
+                    choice,
+                ),
+            )
+
+    def _run_colocated(self, req: m.Generate, choice: int) -> None:
+        worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))
+        if worker is None:
+            self._error_to(req, 503, f"model {req.model} has no worker")
+            return
+        self.routes[(req.request_id, choice)] = Route(
+            req, choice, "local", decode=worker.worker_id, prefill=worker.worker_id
+        )
+        self._send(
+            worker.worker_id,
+            m.PrefillJob(
+                req.request_id,
+                req.prompt_token_ids,
+                req.sampling,
+                req.n,
+                worker.worker_id,
+                [],
+                "",
+                req.stream_address,
+                choice,
+            ),
+        )
+
+    def _reserved(self, msg: m.Reserved, now: float) -> None:
+        key = (msg.request_id, msg.choice)
+        route = self.routes.get(key)
+        if route is None or route.state != "reserving":
+            # aborted meanwhile: give the blocks back
+            self._send(msg.worker_id, m.Abort(msg.request_id, "no longer wanted", msg.choice))
+            return
+        if msg.error is not None:
+            self._fail(key, 503, f"decode worker {msg.worker_id} could not reserve: {msg.error}")
+            return
+        req = route.request
+        prefill = self.registry.pick_prefill(req.model, len(req.prompt_token_ids))
+        if prefill is None:
+            self._fail(key, 503, f"model {req.model} has no prefill worker")
+            return
+        route.state, route.prefill = "prefilling", prefill.worker_id
+        self._send(
+            prefill.worker_id,
+            m.PrefillJob(
+                req.request_id,
+                req.prompt_token_ids,
+                req.sampling,
+                req.n,
+                msg.worker_id,
+                msg.block_ids,
+                msg.transfer_address,
+                req.stream_address,
+                msg.choice,
+            ),
+        )
+
+    def _transfer_done(self, msg: m.TransferDone, now: float) -> None:
+        route = self.routes.get((msg.request_id, msg.choice))
+        if route is None or route.state != "prefilling":
+            return
+        route.state = "decoding"
+        self._send(route.decode, msg)
+
+    def _finished(self, msg: m.Finished, now: float) -> None:
+        key = (msg.request_id, msg.choice)
+        route = self.routes.get(key)
+        if route is None:
+            return
+        if route.state == "prefilling" and msg.worker_id == route.prefill:
+            # token 0 ended the choice: the decode worker's reservation is not needed
+            self._send(route.decode, m.Abort(msg.request_id, "finished at token 0", msg.choice))
+        del self.routes[key]
+
+    def _abort(self, msg: m.Abort, now: float) -> None:
+        for key in self._keys(msg.request_id, msg.choice):
+            route = self.routes.pop(key)
+            for worker_id in {route.decode, route.prefill} - {""}:
+                self._send(worker_id, m.Abort(msg.request_id, msg.reason, route.choice))
+
+    def _worker_error(self, msg: m.RequestError, now: float) -> None:
+        # the worker told the gateway already; stop the other side of every choice
+        for key in self._keys(msg.request_id, None):
+            route = self.routes.pop(key)
+            for worker_id in {route.decode, route.prefill} - {""}:
+                self._send(worker_id, m.Abort(msg.request_id, msg.message, route.choice))
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _fail(
+        self, key: tuple[str, int], status: int, message: str, req: m.Generate | None = None
+    ) -> None:
+        """End a request on every worker its choices touched and tell its gateway."""
+        route = self.routes.get(key)
+        request = req or (route.request if route else None)
+        if request is None:
+            return
+        for k in self._keys(key[0], None):
+            r = self.routes.pop(k)
+            for worker_id in {r.decode, r.prefill} - {""}:
+                self._send(worker_id, m.Abort(key[0], message, r.choice))
+        self._error_to(request, status, message)
+
+    def _error_to(self, req: m.Generate, status: int, message: str) -> None:
+        logger.info("request %s: %d %s", req.request_id, status, message)
+        self.outbox.to_gateway(req.stream_address, m.RequestError(req.request_id, status, message))
+
+    def _keys(self, request_id: str, choice: int | None) -> list[tuple[str, int]]:
+        return [k for k in self.routes if k[0] == request_id and choice in (None, k[1])]
+
+    def _send(self, worker_id: str, msg: m.Message) -> None:
+        worker = self.registry.workers.get(worker_id)
+        if worker is not None:
+            self.outbox.to_worker(worker_id, worker.info.control_address, msg)
+
+    def _block_size(self, model: str) -> int:
+        return next(
+            w.info.layout.block_size
+            for w in self.registry.workers.values()
+            if w.info.model == model
+        )

@@ -1,0 +1,205 @@
+"""Decode worker: takes over requests whose prompt KV another worker pushed into its blocks.
+
+Lifecycle of one choice (``key = request_id#choice``), each in exactly one dict::
+
+    Reserve ──▶ reserved ──TransferDone──▶ receiving ──receiver DONE──▶ running ──▶ (gone)
+                   │                           │                          │ finished, aborted:
+                   │ Abort                     │ FAILED, timeout, Abort   │ engine frees blocks
+                   ▼                           ▼                          ▼
+              blocks freed               blocks freed, error to gateway  Finished to coordinator
+
+A worker of role ``both`` (colocated mode) also takes a ``PrefillJob`` with no destination
+blocks: it runs the whole request in its own engine, token 0 included.
+``DecodeWorker`` has no sockets: ``handle`` takes a message, ``step`` runs one engine step,
+and everything it says goes through an ``Outbox``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.block_manager import NoFreeBlocks
+from engine.engine import LLMEngine, RequestOutput
+from engine.wire import Outbox, engine_key, engine_logprob, sampling_params, wire_logprobs
+from kvtransfer.base import KVPoll, KVReceiver
+from protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    request_id: str
+    choice: int
+    prompt_token_ids: list[int]
+    sampling: m.SamplingSpec
+    stream_address: str
+    first_token: int | None = None
+    first_logprob: m.TokenLogprob | None = None
+    num_cached_tokens: int = 0
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        receiver: KVReceiver | None,
+        worker_id: str,
+        outbox: Outbox,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.worker_id = worker_id
+        self.outbox = outbox
+        self.transfer_timeout_s = transfer_timeout_s
+        self.reserved: dict[str, Choice] = {}
+        self.receiving: dict[str, Choice] = {}
+        self.running: dict[str, Choice] = {}
+
+    # ---- messages ---------------------------------------------------------------------------
+    def handle(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Reserve):
+            self._reserve(msg)
+        elif isinstance(msg, m.TransferDone):
+            self._transfer_done(msg)
+        elif isinstance(msg, m.PrefillJob):
+            self._run_locally(msg)
+        elif isinstance(msg, m.Abort):
+            self.abort(msg.request_id, msg.choice)
+        else:
+            logger.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _reserve(self, msg: m.Reserve) -> None:
+        key = engine_key(msg.request_id, msg.choice)
+        choice = Choice(
+            msg.request_id, msg.choice, msg.prompt_token_ids, msg.sampling, msg.stream_address
+        )
+        try:
+            self.engine.check_prompt(msg.prompt_token_ids, sampling_params(msg.sampling))
+            ids = self.engine.reserve(key, len(msg.prompt_token_ids) + 1)
+        except (ValueError, NoFreeBlocks) as e:
+            self.outbox.to_coordinator(self._reserved(msg, [], str(e)))
+            return
+        if self.receiver is not None:
+            # the KV of the prompt fills the leading blocks; the last one is for token 0 on
+            prompt_blocks = self.engine.block_manager.blocks_needed(len(msg.prompt_token_ids))
+            self.receiver.expect(key, ids[:prompt_blocks], self.transfer_timeout_s)
+        self.reserved[key] = choice
+        self.outbox.to_coordinator(self._reserved(msg, ids, None))
+
+    def _reserved(self, msg: m.Reserve, ids: list[int], error: str | None) -> m.Reserved:
+        address = self.receiver.address if self.receiver is not None else ""
+        return m.Reserved(msg.request_id, self.worker_id, ids, address, error, msg.choice)
+
+    def _transfer_done(self, msg: m.TransferDone) -> None:
+        key = engine_key(msg.request_id, msg.choice)
+        choice = self.reserved.pop(key, None)
+        if choice is None:
+            logger.warning("transfer done for unknown request %s", key)
+            return
+        choice.first_token = msg.first_token_ids[0]
+        choice.first_logprob = msg.first_logprobs[0] if msg.first_logprobs else None
+        choice.num_cached_tokens = msg.num_cached_tokens
+        self.receiving[key] = choice
+
+    def _run_locally(self, msg: m.PrefillJob) -> None:
+        key = engine_key(msg.request_id, msg.choice)
+        choice = Choice(
+            msg.request_id, msg.choice, msg.prompt_token_ids, msg.sampling, msg.stream_address
+        )
+        try:
+            self.engine.add_request(
+                key, msg.prompt_token_ids, sampling_params(msg.sampling, msg.choice)
+            )
+        except ValueError as e:
+            self._fail(choice, 400, str(e))
+            return
+        self.running[key] = choice
+
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """One choice (or every one) of the request, whatever its state; blocks freed now."""
+        for table in (self.reserved, self.receiving, self.running):
+            for key in [k for k, c in table.items() if _matches(c, request_id, choice)]:
+                del table[key]
+                self.engine.abort(key)
+                if self.receiver is not None:
+                    self.receiver.release(key)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit choices whose KV has landed, run one engine step, stream what it produced.
+        Returns whether there was anything to do."""
+        self._admit_received()
+        if not self.engine.has_unfinished():
+            return bool(self.receiving)
+        for out in self.engine.step():
+            self._emit(out)
+        return True
+
+    def _admit_received(self) -> None:
+        for key, choice in list(self.receiving.items()):
+            state = self.receiver.poll(key) if self.receiver is not None else KVPoll.DONE
+            if state is KVPoll.FAILED:
+                reason = self.receiver.failure_reason(key) if self.receiver else None
+                del self.receiving[key]
+                self.engine.abort(key)
+                self.receiver.release(key)
+                self._fail(choice, 500, f"KV transfer failed: {reason}")
+            elif state is KVPoll.DONE:
+                del self.receiving[key]
+                if self.receiver is not None:
+                    self.receiver.release(key)
+                params = sampling_params(choice.sampling, choice.choice)
+                self.engine.add_prefilled(
+                    key,
+                    choice.prompt_token_ids,
+                    choice.first_token,
+                    params,
+                    engine_logprob(choice.first_logprob),
+                )
+                self.engine.requests[key].num_cached_tokens = choice.num_cached_tokens
+                self.running[key] = choice
+
+    def _emit(self, out: RequestOutput) -> None:
+        choice = self.running.get(out.request_id)
+        if choice is None:
+            return
+        if out.finished:
+            del self.running[out.request_id]
+            self.outbox.to_coordinator(m.Finished(choice.request_id, choice.choice, self.worker_id))
+            if out.finish_reason == "abort":
+                return
+        self.outbox.to_gateway(
+            choice.stream_address,
+            m.TokenChunk(
+                request_id=choice.request_id,
+                choice=choice.choice,
+                index=out.num_output_tokens - len(out.new_token_ids),
+                token_ids=out.new_token_ids,
+                logprobs=wire_logprobs(out.new_logprobs),
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens,
+            ),
+        )
+
+    def _fail(self, choice: Choice, status: int, message: str) -> None:
+        logger.warning("request %s#%d failed: %s", choice.request_id, choice.choice, message)
+        error = m.RequestError(choice.request_id, status, message)
+        self.outbox.to_gateway(choice.stream_address, error)
+        self.outbox.to_coordinator(error)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return sum(s.num_uncomputed_tokens for s in self.engine.scheduler.waiting) + sum(
+            s.num_uncomputed_tokens
+            for s in self.engine.scheduler.running
+            if s.num_uncomputed_tokens > 1
+        )
+
+
+def _matches(c: Choice, request_id: str, choice: int | None) -> bool:
+    return c.request_id == request_id and (choice is None or c.choice == choice)

@@ -1,0 +1,68 @@
+"""Pieces both worker roles share: engine <-> wire conversions and the outbox interface."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from protocol import messages as m
+
+
+class Outbox(Protocol):
+    """Where a worker's messages go; sockets in a process, a list in a test."""
+
+    def to_coordinator(self, msg: m.Message) -> None: ...
+
+    def to_gateway(self, address: str, msg: m.Message) -> None: ...
+
+
+def engine_key(request_id: str, choice: int) -> str:
+    """One engine request per choice of a request (``n > 1`` runs ``n`` of them)."""
+    return f"{request_id}#{choice}"
+
+
+def sampling_params(spec: m.SamplingSpec, choice: int = 0) -> SamplingParams:
+    """Rebuild (and validate) the params; choice ``c`` of a seeded request draws from seed+c."""
+    params = SamplingParams(**dataclasses.asdict(spec))
+    if params.seed is not None and choice:
+        params.seed += choice
+    return params
+
+
+def wire_logprobs(lps: list[TokenLogprob] | None) -> list[m.TokenLogprob] | None:
+    if not lps:
+        return None
+    return [m.TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)) for lp in lps]
+
+
+def engine_logprob(lp: m.TokenLogprob | None) -> TokenLogprob | None:
+    if lp is None:
+        return None
+    return TokenLogprob(lp.token_id, lp.logprob, lp.rank, [tuple(t) for t in lp.top])
+
+
+def kv_layout(engine: LLMEngine) -> m.KVLayout:
+    cfg = engine.model_config
+    return m.KVLayout(
+        block_size=engine.block_manager.block_size,
+        dtype=str(engine.runner.dtype).removeprefix("torch."),
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
+
+
+def heartbeat(engine: LLMEngine, worker_id: str, queued_prompt_tokens: int) -> m.Heartbeat:
+    bm = engine.block_manager
+    return m.Heartbeat(
+        worker_id=worker_id,
+        free_blocks=bm.num_free_blocks,
+        used_blocks=bm.num_used_blocks,
+        total_blocks=bm.num_blocks,
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        queued_prompt_tokens=queued_prompt_tokens,
+    )

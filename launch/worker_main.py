@@ -1,0 +1,128 @@
+"""``pdserve prefill`` and ``pdserve decode``: one worker process around one engine.
+
+The worker binds its control socket (Reserve / PrefillJob / TransferDone / Abort arrive
+there), a KV receiver where it decodes, registers with the coordinator, and heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import uuid
+
+import zmq
+
+from engine.cli_args import add_engine_args, engine_config_from_args
+from protocol import messages as m
+from protocol.loop import PushOutbox, serve, stop_on_signals
+from protocol.sockets import bound_address, make_socket
+
+log = logging.getLogger(__name__)
+
+
+def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
+    add_engine_args(parser)
+    g = parser.add_argument_group("worker")
+    g.add_argument(
+        "--coordinator",
+        default=os.environ.get("PDSERVE_COORDINATOR"),
+        help="coordinator inbox address (env PDSERVE_COORDINATOR)",
+    )
+    g.add_argument(
+        "--control-bind",
+        default="tcp://127.0.0.1:0",
+        help="where this worker takes commands (port 0: any free one)",
+    )
+    g.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host other nodes reach this worker at (default: the bound one)",
+    )
+    g.add_argument("--transfer-backend", default="zmq", choices=["zmq", "host", "ucx"])
+    g.add_argument("--transfer-bind", default=None, help="KV receiver address (decode)")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model directory's name)",
+    )
+    if role == "decode":
+        g.add_argument(
+            "--colocated",
+            action="store_true",
+            help="also prefill locally (role 'both': the colocated baseline)",
+        )
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    if not args.coordinator:
+        raise SystemExit(f"pdserve {role}: --coordinator (or PDSERVE_COORDINATOR) is required")
+    from engine.engine import LLMEngine
+    from engine.wire import heartbeat, kv_layout
+    from kvtransfer import make_receiver, make_sender
+
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)
+    wire_role = "both" if role == "decode" and args.colocated else role
+    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    served = args.served_model_name or os.path.basename(os.path.normpath(config.model))
+
+    ctx = zmq.Context()
+    control = make_socket(ctx, zmq.PULL, args.control_bind, bind=True)
+    outbox = PushOutbox(ctx, args.coordinator)
+    layers = engine.runner.kv_cache.layers
+    if role == "prefill":
+        from prefill.worker import PrefillWorker
+
+        transport = make_sender(args.transfer_backend)
+        worker = PrefillWorker(engine, transport, worker_id, outbox, args.transfer_timeout)
+        transfer_address = ""
+    else:
+        from decode.worker import DecodeWorker
+
+        transport = make_receiver(args.transfer_backend, layers, args.transfer_bind)
+        worker = DecodeWorker(engine, transport, worker_id, outbox, args.transfer_timeout)
+        transfer_address = transport.address
+    register = m.Register(
+        role=wire_role,
+        worker_id=worker_id,
+        model=served,
+        control_address=_advertised(bound_address(control), args.advertise_host),
+        transfer_address=transfer_address,
+        transfer_backend=args.transfer_backend,
+        layout=kv_layout(engine),
+        num_blocks=engine.block_manager.num_blocks,
+        model_root=os.path.abspath(config.model),
+        max_model_len=engine.max_model_len,
+    )
+
+    def periodic(now: float) -> None:
+        # registering again each second lets a restarted coordinator relearn the cluster
+        outbox.to_coordinator(register)
+        outbox.to_coordinator(heartbeat(engine, worker_id, worker.queued_prompt_tokens))
+
+    log.info(
+        "%s worker %s serving %s: control %s",
+        wire_role,
+        worker_id,
+        served,
+        register.control_address,
+    )
+    stop = stop_on_signals()
+    try:
+        serve(control, worker.handle, worker.step, periodic, stop)
+    finally:
+        transport.close()
+        outbox.close()
+        control.close()
+        ctx.term()
+    return 0
+
+
+def _advertised(address: str, host: str | None) -> str:
+    if host is None or not address.startswith("tcp://"):
+        return address
+    port = address.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"

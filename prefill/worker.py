@@ -1,0 +1,161 @@
+"""Prefill worker: runs prompts, streams token 0, pushes the KV into the decode worker's blocks.
+
+Lifecycle of one choice (``key = request_id#choice``), each in exactly one dict::
+
+    PrefillJob ──▶ computing ──token 0──▶ sending ──sender DONE──▶ (gone: TransferDone sent,
+                     │  (chunked, in        │                      blocks released into the
+                     │   the engine)        │ FAILED               prefix cache)
+                     │                      ▼
+                     │              error to gateway + coordinator, blocks released
+                     └─ token 0 ends the request (eos, stop token, max_tokens=1):
+                        final chunk to the gateway, Finished to the coordinator, no transfer
+
+Token 0 goes to the gateway the moment it is sampled (that is the TTFT), before the KV moves.
+``PrefillWorker`` has no sockets: ``handle`` takes a message, ``step`` runs one engine step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from engine.engine import LLMEngine, RequestOutput
+from engine.wire import Outbox, engine_key, sampling_params, wire_logprobs
+from kvtransfer.base import KVPoll, KVSender, TransferSpec
+from protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        sender: KVSender,
+        worker_id: str,
+        outbox: Outbox,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.worker_id = worker_id
+        self.outbox = outbox
+        self.transfer_timeout_s = transfer_timeout_s
+        self.computing: dict[str, m.PrefillJob] = {}
+        self.sending: dict[str, tuple[m.PrefillJob, m.TransferDone]] = {}
+
+    def handle(self, msg: m.Message) -> None:
+        if isinstance(msg, m.PrefillJob):
+            self._start(msg)
+        elif isinstance(msg, m.Abort):
+            self.abort(msg.request_id, msg.choice)
+        else:
+            logger.warning("prefill worker ignores %s", type(msg).__name__)
+
+    def _start(self, job: m.PrefillJob) -> None:
+        key = engine_key(job.request_id, job.choice)
+        try:
+            params = sampling_params(job.sampling, job.choice)
+            # token 0 only; min_tokens still keeps eos away from it when asked to
+            first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            self.engine.check_prompt(job.prompt_token_ids, params)
+            self.engine.add_request(key, job.prompt_token_ids, first, hold_kv=True)
+        except ValueError as e:
+            self._fail(job, 400, str(e))
+            return
+        self.computing[key] = job
+
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        """One choice (or every one) of the request; held blocks freed now."""
+        for table in (self.computing, self.sending):
+            for key, value in list(table.items()):
+                job = _job(value)
+                if job.request_id != request_id or choice not in (None, job.choice):
+                    continue
+                del table[key]
+                self.engine.abort(key)  # frees held blocks too
+                self.sender.release(key)
+
+    def step(self) -> bool:
+        """One engine step (prompt chunks), then check transfers in flight."""
+        busy = bool(self.sending)
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._on_output(out)
+            busy = True
+        self._poll_transfers()
+        return busy
+
+    def _on_output(self, out: RequestOutput) -> None:
+        job = self.computing.pop(out.request_id, None)
+        if job is None or not out.finished or out.finish_reason == "abort":
+            return
+        key = out.request_id
+        token = out.new_token_ids[0]
+        # the whole request ends at token 0 if it stopped, or if it only wanted one token
+        ends = out.finish_reason == "stop" or job.sampling.max_tokens == 1
+        self.outbox.to_gateway(
+            job.stream_address,
+            m.TokenChunk(
+                request_id=job.request_id,
+                choice=job.choice,
+                index=0,
+                token_ids=[token],
+                logprobs=wire_logprobs(out.new_logprobs),
+                finished=ends,
+                finish_reason=out.finish_reason if ends else None,
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens,
+            ),
+        )
+        if ends:
+            self.engine.release(key)
+            self.outbox.to_coordinator(m.Finished(job.request_id, job.choice, self.worker_id))
+            return
+        src = self.engine.held_block_ids(key)
+        done = m.TransferDone(
+            job.request_id,
+            [token],
+            wire_logprobs(out.new_logprobs),
+            out.num_cached_tokens,
+            job.choice,
+        )
+        spec = TransferSpec(
+            key, src, job.dst_block_ids[: len(src)], job.transfer_address, self.transfer_timeout_s
+        )
+        try:
+            self.sender.send(spec, self.engine.runner.kv_cache.layers)
+        except Exception as e:
+            self.engine.release(key)
+            self._fail(job, 500, f"KV transfer could not start: {e}")
+            return
+        self.sending[key] = (job, done)
+
+    def _poll_transfers(self) -> None:
+        for key, (job, done) in list(self.sending.items()):
+            state = self.sender.poll(key)
+            if not state.finished:
+                continue
+            del self.sending[key]
+            reason = self.sender.failure_reason(key)
+            self.sender.release(key)
+            self.engine.release(key)
+            if state is KVPoll.DONE:
+                self.outbox.to_coordinator(done)
+            else:
+                self._fail(job, 500, f"KV transfer failed: {reason}")
+
+    def _fail(self, job: m.PrefillJob, status: int, message: str) -> None:
+        logger.warning("request %s#%d failed: %s", job.request_id, job.choice, message)
+        error = m.RequestError(job.request_id, status, message)
+        self.outbox.to_gateway(job.stream_address, error)
+        self.outbox.to_coordinator(error)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        sched = self.engine.scheduler
+        return sum(s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running])
+
+
+def _job(value: m.PrefillJob | tuple[m.PrefillJob, m.TransferDone]) -> m.PrefillJob:
+    return value[0] if isinstance(value, tuple) else value

@@ -1,0 +1,163 @@
+"""An in-process cluster: the real coordinator and workers, messages delivered by a loop.
+
+No control sockets (KV still moves over a real transfer backend on loopback), so tests can
+step everything deterministically and inspect every engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from coordinator.coordinator import Coordinator
+from decode.worker import DecodeWorker
+from engine.engine import LLMEngine
+from engine.wire import heartbeat, kv_layout
+from kvtransfer import make_receiver, make_sender
+from prefill.worker import PrefillWorker
+from protocol import messages as m
+
+
+@dataclass
+class Bus:
+    """Queues of (destination, message); destinations: 'coordinator', worker ids, gateways."""
+
+    queue: deque = field(default_factory=deque)
+    gateway: dict[str, list[m.Message]] = field(default_factory=dict)
+
+    def outbox(self) -> _Outbox:
+        return _Outbox(self)
+
+
+class _Outbox:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    def to_coordinator(self, msg: m.Message) -> None:
+        self.bus.queue.append(("coordinator", m.decode(m.encode(msg))))
+
+    def to_gateway(self, address: str, msg: m.Message) -> None:
+        self.bus.gateway.setdefault(address, []).append(m.decode(m.encode(msg)))
+
+    def to_worker(self, worker_id: str, address: str, msg: m.Message) -> None:
+        self.bus.queue.append((worker_id, m.decode(m.encode(msg))))
+
+    def forget_worker(self, worker_id: str) -> None:
+        pass
+
+
+class Cluster:
+    def __init__(
+        self,
+        engines_p: list[LLMEngine],
+        engines_d: list[LLMEngine],
+        backend: str = "zmq",
+        colocated: bool = False,
+    ) -> None:
+        self.bus = Bus()
+        self.backend = backend
+        self.coordinator = Coordinator(self.bus.outbox())
+        self.workers: dict[str, PrefillWorker | DecodeWorker] = {}
+        for i, engine in enumerate(engines_p):
+            wid = f"p{i}"
+            self.workers[wid] = PrefillWorker(
+                engine, make_sender(backend, checksum=True), wid, self.bus.outbox()
+            )
+            self._register(wid, "prefill", engine, "")
+        for i, engine in enumerate(engines_d):
+            wid = f"d{i}"
+            receiver = (
+                None
+                if colocated
+                else make_receiver(backend, engine.runner.kv_cache.layers, require_checksum=True)
+            )
+            self.workers[wid] = DecodeWorker(engine, receiver, wid, self.bus.outbox())
+            self._register(
+                wid, "both" if colocated else "decode", engine, receiver.address if receiver else ""
+            )
+
+    def _register(self, wid: str, role: str, engine: LLMEngine, transfer: str) -> None:
+        self.coordinator.handle(
+            m.Register(
+                role,
+                wid,
+                "tiny",
+                f"inproc://{wid}",
+                transfer,
+                self.backend,
+                kv_layout(engine),
+                engine.block_manager.num_blocks,
+                "/models/tiny",
+                engine.max_model_len,
+            ),
+            time.monotonic(),
+        )
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        spec: m.SamplingSpec,
+        n: int = 1,
+        gateway: str = "gw",
+    ) -> None:
+        self.bus.queue.append(
+            ("coordinator", m.Generate(request_id, "tiny", prompt, spec, n, gateway))
+        )
+
+    def pump_round(self) -> bool:
+        """Deliver every queued message, step every worker once; whether anything happened."""
+        delivered = bool(self.bus.queue)
+        while self.bus.queue:
+            dest, msg = self.bus.queue.popleft()
+            if dest == "coordinator":
+                self.coordinator.handle(msg, time.monotonic())
+            else:
+                self.workers[dest].handle(msg)
+        busy = any([w.step() for w in self.workers.values()])
+        if busy:
+            time.sleep(0.0005)  # let transfer threads run
+        return busy or delivered
+
+    def pump(self, max_rounds: int = 20000) -> None:
+        """Deliver messages and step workers until nothing is left to do."""
+        for _ in range(max_rounds):
+            if not self.pump_round():
+                return
+        raise AssertionError("cluster did not go idle")
+
+    def heartbeats(self) -> None:
+        for wid, w in self.workers.items():
+            self.coordinator.handle(
+                heartbeat(w.engine, wid, w.queued_prompt_tokens), time.monotonic()
+            )
+
+    def tokens(self, request_id: str, gateway: str = "gw") -> dict[int, list[int]]:
+        """choice -> token ids in index order, checking indices are contiguous."""
+        chunks: dict[int, list[m.TokenChunk]] = {}
+        for msg in self.bus.gateway.get(gateway, []):
+            if isinstance(msg, m.TokenChunk) and msg.request_id == request_id:
+                chunks.setdefault(msg.choice, []).append(msg)
+        out = {}
+        for choice, cs in chunks.items():
+            cs.sort(key=lambda c: c.index)
+            tokens: list[int] = []
+            for c in cs:
+                assert c.index == len(tokens), (c.index, len(tokens))
+                tokens += c.token_ids
+            assert cs[-1].finished and sum(c.finished for c in cs) == 1
+            out[choice] = tokens
+        return out
+
+    def errors(self, gateway: str = "gw") -> list[m.RequestError]:
+        return [x for x in self.bus.gateway.get(gateway, []) if isinstance(x, m.RequestError)]
+
+    def used_blocks(self) -> dict[str, int]:
+        return {wid: w.engine.block_manager.num_used_blocks for wid, w in self.workers.items()}
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            transport = w.sender if isinstance(w, PrefillWorker) else w.receiver
+            if transport is not None:
+                transport.close()
