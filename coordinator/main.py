@@ -10,6 +10,7 @@ import time
 import zmq
 
 from coordinator.coordinator import Coordinator
+from engine import envs
 from protocol.loop import PushOutbox, serve, stop_on_signals
 from protocol.sockets import bound_address, make_socket
 
@@ -34,7 +35,7 @@ class _Outbox(PushOutbox):
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bind",
-        default=os.environ.get("PDSERVE_COORDINATOR_BIND", "tcp://127.0.0.1:0"),
+        default=envs.coordinator_bind(),
         help="inbox address gateways and workers push to (port 0: any free)",
     )
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds")

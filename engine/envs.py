@@ -15,3 +15,13 @@ def default_threads() -> int | None:
     """``PDSERVE_THREADS``: torch intra-op threads for a worker (unset: torch's default)."""
     value = os.environ.get("PDSERVE_THREADS")
     return int(value) if value else None
+
+
+def coordinator_address() -> str | None:
+    """``PDSERVE_COORDINATOR``: the coordinator's inbox address, for workers and gateways."""
+    return os.environ.get("PDSERVE_COORDINATOR") or None
+
+
+def coordinator_bind() -> str:
+    """``PDSERVE_COORDINATOR_BIND``: where the coordinator listens (port 0: any free one)."""
+    return os.environ.get("PDSERVE_COORDINATOR_BIND", "tcp://127.0.0.1:0")

@@ -59,8 +59,9 @@ def model_not_found(model: str) -> OpenAIError:
 
 
 def from_backend(error: BackendError) -> OpenAIError:
-    status = error.status if error.status in (429, 500, 503) else 500
-    return OpenAIError(status, error.message)
+    status = error.status if error.status in (400, 404, 429, 500, 503) else 500
+    code = "model_not_found" if status == 404 else None
+    return OpenAIError(status, error.message, code=code)
 
 
 def internal(error: BaseException) -> OpenAIError:

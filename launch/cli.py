@@ -27,6 +27,21 @@ def _make_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_make_model)
 
 
+def _role(name: str, help_text: str, module: str, add: str, run: str, *extra: str):
+    """A subcommand whose module is imported only when registered here (no torch for the
+    coordinator and gateway)."""
+
+    def register(sub: argparse._SubParsersAction) -> None:
+        import importlib
+
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text)
+        getattr(mod, add)(p, *extra)
+        p.set_defaults(func=lambda args: getattr(mod, run)(args, *extra))
+
+    return register
+
+
 def _not_yet(name: str, issue: str) -> Callable[[argparse._SubParsersAction], None]:
     def register(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=f"(not yet: {issue})")
@@ -40,20 +55,52 @@ def _say_not_yet(name: str, issue: str) -> int:
     return 2
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _generate,
-    _make_model,
-    _not_yet("serve", "the disaggregated serving issue"),
-    _not_yet("bench", "the benchmark harness issue"),
-]
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "generate": _generate,
+    "make-model": _make_model,
+    "serve": _role(
+        "serve", "every role on this machine", "launch.serve", "add_serve_args", "run_serve"
+    ),
+    "coordinator": _role(
+        "coordinator",
+        "the coordinator",
+        "coordinator.main",
+        "add_coordinator_args",
+        "run_coordinator",
+    ),
+    "prefill": _role(
+        "prefill",
+        "a prefill worker",
+        "launch.worker_main",
+        "add_worker_args",
+        "run_worker",
+        "prefill",
+    ),
+    "decode": _role(
+        "decode", "a decode worker", "launch.worker_main", "add_worker_args", "run_worker", "decode"
+    ),
+    "gateway": _role(
+        "gateway",
+        "the OpenAI-compatible HTTP gateway",
+        "gateway.main",
+        "add_gateway_args",
+        "run_gateway",
+    ),
+    "bench": _not_yet("bench", "the benchmark harness issue"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in COMMANDS:
-        register(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    # register only the chosen subcommand (so `pdserve gateway` never imports torch);
+    # all of them for --help or a mistyped name
+    for name, register in COMMANDS.items():
+        if chosen not in COMMANDS or name == chosen:
+            register(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -13,6 +13,7 @@ import uuid
 
 import zmq
 
+from engine import envs
 from engine.cli_args import add_engine_args, engine_config_from_args
 from protocol import messages as m
 from protocol.loop import PushOutbox, serve, stop_on_signals
@@ -26,7 +27,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     g = parser.add_argument_group("worker")
     g.add_argument(
         "--coordinator",
-        default=os.environ.get("PDSERVE_COORDINATOR"),
+        default=envs.coordinator_address(),
         help="coordinator inbox address (env PDSERVE_COORDINATOR)",
     )
     g.add_argument(
@@ -84,7 +85,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 
         transport = make_receiver(args.transfer_backend, layers, args.transfer_bind)
         worker = DecodeWorker(engine, transport, worker_id, outbox, args.transfer_timeout)
-        transfer_address = transport.address
+        transfer_address = _advertised(transport.address, args.advertise_host)
     register = m.Register(
         role=wire_role,
         worker_id=worker_id,
@@ -122,7 +123,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 
 
 def _advertised(address: str, host: str | None) -> str:
-    if host is None or not address.startswith("tcp://"):
+    """Swap the bound host (e.g. 0.0.0.0) for the one other nodes should dial."""
+    scheme, sep, rest = address.partition("://")
+    if host is None or not sep or ":" not in rest:
         return address
-    port = address.rsplit(":", 1)[1]
-    return f"tcp://{host}:{port}"
+    return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"

@@ -1,0 +1,152 @@
+"""``pdserve gateway``: the OpenAI HTTP server in front of a coordinator.
+
+The gateway learns its models from the coordinator's ``ClusterState``; each model's tokenizer is
+read from its root directory (a shared filesystem) the first time a request or ``/v1/models``
+needs it. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine import envs
+from engine.tokenizer import Tokenizer
+from gateway.app import create_app
+from gateway.errors import OpenAIError
+from gateway.zmq_backend import ZmqBackend
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_ENV = "PDSERVE_COORDINATOR"  # the coordinator's inbox address
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class LazyTokenizers(Mapping[str, Tokenizer]):
+    """The tokenizer of every model ``roots()`` names, loaded from its root on first use.
+
+    A tokenizer that cannot be loaded is logged and answered with a 503 ``OpenAIError`` from
+    ``[]`` and ``get`` (only a ``KeyError`` means "no such model"); it is tried again after
+    ``retry_s`` or when the model's root changes. ``in`` is False for it."""
+
+    def __init__(
+        self,
+        roots: Callable[[], Mapping[str, str]],
+        load: Callable[[str], Tokenizer] = Tokenizer.from_dir,
+        *,
+        retry_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._roots = roots
+        self._load = load
+        self._retry_s = retry_s
+        self._clock = clock
+        self._loaded: dict[str, tuple[str, Tokenizer]] = {}  # name -> (root, tokenizer)
+        self._failed: dict[str, tuple[str, float, str]] = {}  # name -> (root, when, message)
+
+    def __getitem__(self, name: str) -> Tokenizer:
+        root = self._roots().get(name)
+        if root is None:
+            raise KeyError(name)
+        loaded = self._loaded.get(name)
+        if loaded is not None and loaded[0] == root:
+            return loaded[1]
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] == root and self._clock() - failed[1] < self._retry_s:
+            raise OpenAIError(503, failed[2], param="model")
+        try:
+            tokenizer = self._load(root)
+        except Exception as e:
+            message = f"model `{name}` is unavailable: no tokenizer in {root}: {e}"
+            log.error("%s", message)
+            self._failed[name] = (root, self._clock(), message)
+            raise OpenAIError(503, message, param="model") from e
+        self._loaded[name] = (root, tokenizer)
+        self._failed.pop(name, None)
+        log.info("loaded the tokenizer of %s from %s", name, root)
+        return tokenizer
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, OpenAIError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._roots())
+
+    def __len__(self) -> int:
+        return len(self._roots())
+
+
+def gateway_app(backend: ZmqBackend) -> FastAPI:
+    """The HTTP app over ``backend``, which starts and stops with the server."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    return create_app(backend, LazyTokenizers(backend.model_roots), lifespan=lifespan)
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    coordinator = envs.coordinator_address()
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    parser.add_argument(
+        "--coordinator",
+        default=coordinator,
+        required=coordinator is None,
+        help=f"the coordinator's inbox address, e.g. tcp://10.0.0.5:7000 (env {COORDINATOR_ENV})",
+    )
+    parser.add_argument(
+        "--stream-bind",
+        default="tcp://127.0.0.1:0",
+        help="where workers send this gateway's tokens (port 0: any free one); "
+        "use an address the workers can reach",
+    )
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def http_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    logging.getLogger().setLevel(args.log_level.upper())
+    try:
+        sock = http_socket(args.host, args.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        return 1
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    backend = ZmqBackend(args.coordinator, args.stream_bind)
+    config = uvicorn.Config(gateway_app(backend), log_level=args.log_level, lifespan="on")
+    server = uvicorn.Server(config)
+    log.info("gateway at %s/v1, coordinator %s", url, args.coordinator)
+    print(f"pdserve gateway: {url}", flush=True)
+    with sock:
+        server.run(sockets=[sock])
+    return 0 if server.started else 1

@@ -1,0 +1,296 @@
+"""The gateway's ``Backend`` over ZeroMQ: requests go to the coordinator, tokens come straight
+back from the workers::
+
+    gateway PUSH ── Generate, Abort, GatewayHello (every hello_interval_s) ──▶ coordinator inbox
+    gateway PULL (stream_address) ◀── TokenChunk: prefill worker (index 0), decode worker (1..)
+                                  ◀── RequestError (coordinator or a worker), ClusterState
+
+Each request in flight has a queue; the receive loop routes its chunks and errors there and drops
+anything else (malformed frames, chunks of requests already over or aborted). A request's stream
+ends once every choice has had its finished chunk *and* every token before it: token 0 comes from
+another socket than the decode worker's last chunk and may arrive after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from gateway.backend import (
+    Backend,
+    BackendError,
+    GenerateRequest,
+    ModelInfo,
+    TokenEvent,
+    TokenLogprobs,
+    WorkerStats,
+)
+from protocol import messages as m
+from protocol.codec import ProtocolError, decode, encode
+from protocol.sockets import bound_address, make_socket
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length")
+_Item = m.TokenChunk | m.RequestError | BackendError  # what a request's queue holds
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    answered: bool = False  # something (a chunk or an error) is on its way to the consumer
+
+
+def sampling_spec(kwargs: dict) -> m.SamplingSpec:
+    """``GenerateRequest.sampling`` (SamplingParams keyword arguments) on the wire."""
+    try:
+        return m.SamplingSpec(**kwargs)
+    except TypeError as e:
+        raise BackendError(f"sampling parameters the protocol cannot carry: {e}", 500) from e
+
+
+def token_event(chunk: m.TokenChunk) -> TokenEvent:
+    """The app's event for one chunk; a chunk that ends its choice without a reason the app
+    knows (an abort the gateway never asked for) fails the request."""
+    reason = chunk.finish_reason if chunk.finished else None
+    if chunk.finished and reason not in FINISH_REASONS:
+        what = "was aborted by the cluster" if reason == "abort" else f"ended with {reason!r}"
+        raise BackendError(f"request {chunk.request_id} choice {chunk.choice} {what}", 503)
+    logprobs = None
+    if chunk.logprobs is not None:
+        logprobs = [
+            TokenLogprobs(lp.logprob, tuple((int(t), float(v)) for t, v in lp.top))
+            for lp in chunk.logprobs
+        ]
+    return TokenEvent(
+        choice=chunk.choice,
+        index=chunk.index,
+        token_ids=list(chunk.token_ids),
+        logprobs=logprobs,
+        finish_reason=reason,
+        num_prompt_tokens=chunk.num_prompt_tokens,
+        num_cached_tokens=chunk.num_cached_tokens,
+    )
+
+
+class ZmqBackend(Backend):
+    def __init__(
+        self,
+        coordinator_address: str,
+        stream_bind: str = "tcp://127.0.0.1:0",
+        *,
+        hello_interval_s: float = 1.0,
+        state_timeout_s: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``stream_bind`` is where workers and the coordinator reach this gateway; ``:0``
+        picks a free port (``stream_address`` holds the bound address once started). The
+        cluster counts as gone when no ``ClusterState`` came for ``state_timeout_s``."""
+        self.coordinator_address = coordinator_address
+        self.stream_bind = stream_bind
+        self.stream_address = ""
+        self.hello_interval_s = hello_interval_s
+        self.state_timeout_s = state_timeout_s
+        self._clock = clock
+        self._ctx: zmq.asyncio.Context | None = None
+        self._coordinator: zmq.asyncio.Socket | None = None
+        self._stream: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: dict[str, _Pending] = {}
+        self._state: m.ClusterState | None = None
+        self._state_at: float | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the stream socket, connect to the coordinator, start the receive and hello loops
+        (in the running event loop: the server's)."""
+        self._ctx = zmq.asyncio.Context()
+        try:
+            self._stream = make_socket(self._ctx, zmq.PULL, self.stream_bind, bind=True)
+            self.stream_address = bound_address(self._stream)
+            # IMMEDIATE: with no live connection a send fails at once (503), never queues.
+            immediate = {zmq.IMMEDIATE: 1}
+            self._coordinator = make_socket(
+                self._ctx, zmq.PUSH, self.coordinator_address, bind=False, options=immediate
+            )
+        except OSError:
+            await self.close()
+            raise
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="gateway-receive"),
+            asyncio.create_task(self._hello_loop(), name="gateway-hello"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(_log_crash)
+        log.info("token stream at %s", self.stream_address)
+
+    async def close(self) -> None:
+        """Stop the loops, fail every request still waiting (503), close the sockets."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for pending in self._pending.values():
+            pending.queue.put_nowait(BackendError("the gateway is shutting down", 503))
+        self._pending.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        self._ctx = self._coordinator = self._stream = None
+
+    # ---- Backend -----------------------------------------------------------------------------
+
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        rid = request.request_id
+        if self._coordinator is None:
+            raise BackendError("the gateway is not connected to a coordinator", 503)
+        if rid in self._pending:
+            raise BackendError(f"request id {rid} is already in flight", 500)
+        generate = m.Generate(
+            request_id=rid,
+            model=request.model,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=sampling_spec(request.sampling),
+            n=request.n,
+            stream_address=self.stream_address,
+        )
+        try:
+            frames = encode(generate)
+        except ProtocolError as e:
+            raise BackendError(f"request {rid} cannot be sent: {e}", 500) from e
+        pending = self._pending[rid] = _Pending()  # before sending: no chunk may beat it
+        if not await self._send(frames):
+            del self._pending[rid]
+            raise BackendError(f"the coordinator at {self.coordinator_address} is unreachable", 503)
+        return self._events(rid, request.n, pending)
+
+    async def abort(self, request_id: str) -> None:
+        """Always tells the coordinator (the stream may have ended here while the workers still
+        run, e.g. after a stop string); it must ignore ids it no longer knows."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:  # wakes a consumer still waiting on it
+            pending.queue.put_nowait(BackendError(f"request {request_id} was aborted", 500))
+        if not await self._send(encode(m.Abort(request_id, "gateway"))):
+            log.warning("abort of %s not sent: the coordinator is unreachable", request_id)
+
+    def models(self) -> list[ModelInfo]:
+        if self._state is None:
+            return []
+        return [
+            ModelInfo(id=s.name, root=s.root, max_model_len=s.max_model_len)
+            for s in self._state.models
+            if s.ready
+        ]
+
+    def model_roots(self) -> dict[str, str]:
+        """name -> model directory of every model the cluster names, ready or not."""
+        return {} if self._state is None else {s.name: s.root for s in self._state.models}
+
+    def health(self) -> bool:
+        return (
+            self._fresh() and self._state is not None and any(s.ready for s in self._state.models)
+        )
+
+    def worker_stats(self) -> list[WorkerStats]:
+        if self._state is None:
+            return []
+        return [
+            WorkerStats(w.role, w.worker_id, w.used_blocks, w.total_blocks, w.running, w.waiting)
+            for w in self._state.workers
+        ]
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    async def _events(self, rid: str, n: int, pending: _Pending) -> AsyncIterator[TokenEvent]:
+        received = [0] * n  # tokens seen per choice
+        ends: list[int | None] = [None] * n  # tokens in all, once the finished chunk came
+        unfinished = set(range(n))
+        try:
+            while unfinished:
+                item = await pending.queue.get()
+                if isinstance(item, BackendError):
+                    raise item
+                if isinstance(item, m.RequestError):
+                    raise BackendError(item.message, item.status)
+                event = token_event(item)
+                c = event.choice
+                if not 0 <= c < n:
+                    raise BackendError(f"request {rid}: choice {c} but n={n}", 500)
+                received[c] += len(event.token_ids)
+                if event.finish_reason is not None:
+                    ends[c] = event.index + len(event.token_ids)
+                end = ends[c]
+                if end is not None and received[c] >= end:
+                    unfinished.discard(c)
+                yield event
+        finally:
+            if self._pending.get(rid) is pending:
+                del self._pending[rid]
+
+    async def _send(self, frames: list[bytes]) -> bool:
+        """False when no connection to the coordinator is up (or the backend is closed)."""
+        if self._coordinator is None:
+            return False
+        try:
+            await self._coordinator.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    async def _receive_loop(self) -> None:
+        stream = self._stream
+        while stream is not None:
+            frames = await stream.recv_multipart()
+            try:
+                self._dispatch(decode(frames))
+            except ProtocolError as e:
+                log.warning("dropped a bad message on the token stream: %s", e)
+            except Exception:  # a bug must not stop every other request's tokens
+                log.exception("dropped a message the gateway could not handle")
+
+    def _dispatch(self, msg: m.Message) -> None:
+        if isinstance(msg, m.ClusterState):
+            self._state, self._state_at = msg, self._clock()
+        elif isinstance(msg, (m.TokenChunk, m.RequestError)):
+            pending = self._pending.get(msg.request_id)
+            if pending is None:  # over, aborted, or never ours
+                return
+            pending.answered = True
+            pending.queue.put_nowait(msg)
+        else:
+            log.warning("dropped an unexpected %s on the token stream", type(msg).__name__)
+
+    async def _hello_loop(self) -> None:
+        hello = encode(m.GatewayHello(self.stream_address))
+        while True:
+            if not await self._send(hello):
+                log.debug("no connection to the coordinator at %s yet", self.coordinator_address)
+            self._fail_unanswered()
+            await asyncio.sleep(self.hello_interval_s)
+
+    def _fail_unanswered(self) -> None:
+        """With the coordinator silent, a request nothing has answered yet never will be."""
+        if self._fresh():
+            return
+        for rid, pending in self._pending.items():
+            if not pending.answered:
+                pending.answered = True
+                message = f"no answer from the coordinator for request {rid}"
+                pending.queue.put_nowait(BackendError(message, 503))
+
+    def _fresh(self) -> bool:
+        at = self._state_at
+        return at is not None and self._clock() - at <= self.state_timeout_s
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        if task.exception() is not None:
+            log.error("%s stopped", task.get_name(), exc_info=task.exception())

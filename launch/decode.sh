@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# A decode worker on this node (add --colocated for a worker that runs both phases).
+#   PDSERVE_COORDINATOR=tcp://coord-host:5550 launch/decode.sh --model DIR \
+#     [--control-bind tcp://0.0.0.0:0 --transfer-bind tcp://0.0.0.0:0 \
+#      --advertise-host THIS_HOST] [flags...]
+set -euo pipefail
+source "$(dirname "$0")/_common.sh"
+: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator's address}"
+exec "$pdserve" decode --coordinator "$PDSERVE_COORDINATOR" "$@"

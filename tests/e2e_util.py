@@ -1,0 +1,76 @@
+"""Real clusters for end-to-end tests: ``pdserve serve`` as a child process on free ports."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from protocol.sockets import free_port
+
+PDSERVE = [sys.executable, "-m", "launch.cli"]
+
+
+class ServedCluster:
+    def __init__(self, model: Path, *flags: str, ready_timeout: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_name = model.name
+        self.proc = subprocess.Popen(
+            [*PDSERVE, "serve", f"--model={model}", f"--port={self.port}", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited:\n{self.proc.stdout.read()}")
+            if self.healthy():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("cluster not healthy in time")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def kv_blocks_used(self) -> dict[str, float]:
+        pattern = r"^pdserve_kv_blocks_used\{([^}]*)\} (\S+)$"
+        out = {}
+        for labels, value in re.findall(pattern, self.metrics(), re.MULTILINE):
+            worker = re.search(r'worker="([^"]+)"', labels).group(1)
+            out[worker] = float(value)
+        return out
+
+    def wait_blocks_free(self, timeout: float = 5.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        used = self.kv_blocks_used()
+        while time.monotonic() < deadline and (not used or any(used.values())):
+            time.sleep(0.1)
+            used = self.kv_blocks_used()
+        return used
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read() if self.proc.stdout else ""

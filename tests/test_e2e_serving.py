@@ -1,0 +1,209 @@
+"""End to end: ``pdserve serve`` processes, the official openai client, exact tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.tokenizer import Tokenizer
+from tests.e2e_util import ServedCluster
+from tests.engine_util import greedy, hf_greedy, make_engine
+
+PROMPTS = ["The quick brown fox", "Serving systems split prefill", "a", "Ünïcödé 数字 and 123"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir):
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=512")
+    yield c
+    c.stop()
+
+
+def client(c: ServedCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0)
+
+
+def expected_text(tiny_dir, prompt: str, n: int) -> tuple[str, list[int]]:
+    tok = Tokenizer.from_dir(tiny_dir)
+    ids = tok.encode(prompt)
+    engine_ids = make_engine(tiny_dir).generate([ids], greedy(n))[0].new_token_ids
+    assert engine_ids == hf_greedy(tiny_dir, ids, n)
+    return tok.decode(engine_ids), engine_ids
+
+
+def test_completions_equal_engine_and_transformers(cluster, tiny_dir) -> None:
+    api = client(cluster)
+    for prompt in PROMPTS:
+        text, _ = expected_text(tiny_dir, prompt, 12)
+        out = api.completions.create(
+            model=cluster.model_name,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].text == text
+        assert out.usage.completion_tokens == 12
+        stream = api.completions.create(
+            model=cluster.model_name,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_stream_equals_non_stream_and_n(cluster) -> None:
+    api = client(cluster)
+    messages = [{"role": "user", "content": "Tell me about disaggregation"}]
+    full = api.chat.completions.create(
+        model=cluster.model_name, messages=messages, max_tokens=10, temperature=0
+    )
+    stream = api.chat.completions.create(
+        model=cluster.model_name,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
+        0
+    ].finish_reason
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    two = api.chat.completions.create(
+        model=cluster.model_name,
+        messages=messages,
+        max_tokens=5,
+        temperature=1.0,
+        n=2,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 10
+    assert two.choices[0].message.content != two.choices[1].message.content
+
+
+def test_stop_string_cuts_text(cluster, tiny_dir) -> None:
+    text, _ = expected_text(tiny_dir, PROMPTS[1], 16)
+    stop = text[5:8]
+    cut = text[: text.index(stop)]
+    out = client(cluster).completions.create(
+        model=cluster.model_name,
+        prompt=PROMPTS[1],
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+
+
+def test_errors_are_openai_bodies(cluster) -> None:
+    r = httpx.post(
+        f"{cluster.url}/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2}
+    )
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": cluster.model_name, "prompt": "x", "temperature": -1},
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_32_concurrent_streams_then_every_block_free(cluster) -> None:
+    async def one(api: openai.AsyncOpenAI, i: int) -> int:
+        stream = await api.completions.create(
+            model=cluster.model_name,
+            prompt=f"request number {i}",
+            max_tokens=20,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def run() -> list[int]:
+        api = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(api, i) for i in range(32)))
+
+    assert asyncio.run(run()) == [20] * 32
+    used = cluster.wait_blocks_free()
+    assert used and set(used.values()) == {0.0}
+
+
+def test_client_disconnect_frees_blocks(cluster) -> None:
+    body = {
+        "model": cluster.model_name,
+        "prompt": "keep going",
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    aborted_before = aborted_count(cluster)
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        deadline = time.monotonic() + 3.0
+        while not any(cluster.kv_blocks_used().values()) and time.monotonic() < deadline:
+            for _ in range(20):
+                next(lines)
+        assert any(cluster.kv_blocks_used().values()), "the stream never showed in /metrics"
+    # the client is gone: the gateway aborts, both workers free the request's blocks
+    used = cluster.wait_blocks_free(timeout=3.0)
+    assert set(used.values()) == {0.0}, used
+    assert aborted_count(cluster) == aborted_before + 1
+
+
+def aborted_count(c: ServedCluster) -> float:
+    found = re.search(r'^pdserve_requests_total\{outcome="aborted"\} (\S+)$', c.metrics(), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--prefill=2", "--decode=2"),
+        ("--transfer-backend=ucx",),
+        ("--mode=colocated",),
+    ],
+    ids=["2P2D-zmq", "1P1D-ucx", "colocated"],
+)
+def test_cluster_shapes_give_the_same_tokens(tiny_dir, flags) -> None:
+    if "--transfer-backend=ucx" in flags:
+        pytest.importorskip("ucxx")
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=256", *flags)
+    try:
+        api = client(c)
+        for prompt in PROMPTS[:3]:
+            text, _ = expected_text(tiny_dir, prompt, 10)
+            out = api.completions.create(
+                model=c.model_name,
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert out.choices[0].text == text
+        assert set(c.wait_blocks_free().values()) == {0.0}
+    finally:
+        c.stop()

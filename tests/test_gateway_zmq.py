@@ -1,0 +1,436 @@
+"""The gateway's ZMQ backend over real loopback sockets, behind the real app and uvicorn.
+
+``FakeCluster`` is a test double for the coordinator and its workers: it binds the coordinator
+inbox, answers each ``GatewayHello`` with a ``ClusterState``, and answers each ``Generate`` with
+scripted messages from the socket of the role that would send them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import openai
+import pytest
+import uvicorn
+import zmq
+from fastapi import FastAPI
+
+from engine.tokenizer import Tokenizer
+from gateway.backend import BackendError, GenerateRequest, TokenEvent, TokenLogprobs
+from gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
+from gateway.zmq_backend import ZmqBackend, sampling_spec, token_event
+from protocol import messages as m
+from protocol.codec import ProtocolError, decode, encode
+from protocol.sockets import bound_address, make_socket, recv_msg
+from tests.gateway_util import parse_prometheus, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = ["Hello world", "Bye now"]  # choice c generates TEXTS[c % 2], then the eos
+WORKERS = [
+    m.WorkerStatus("prefill", "p0", "tiny", used_blocks=3, total_blocks=64, running=1, waiting=2),
+    m.WorkerStatus("decode", "d0", "tiny", used_blocks=10, total_blocks=128, running=2, waiting=0),
+]
+Script = Callable[[m.Generate], list[tuple[str, Any]]]  # (role | "sleep", message | seconds)
+
+
+class FakeCluster:
+    """Test double for the coordinator + one prefill and one decode worker (see module doc)."""
+
+    def __init__(self, respond: Script) -> None:
+        self.respond = respond
+        self.state: m.ClusterState | None = None  # None: leave hellos unanswered
+        self.hellos: list[m.GatewayHello] = []
+        self.generates: list[m.Generate] = []
+        self.aborts: list[m.Abort] = []
+        self._ctx = zmq.Context()
+        self._inbox = make_socket(self._ctx, zmq.PULL, "tcp://127.0.0.1:0", bind=True)
+        self.address = bound_address(self._inbox)
+        self._senders: dict[tuple[str, str], zmq.Socket] = {}  # (role, address) -> PUSH
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            msg = recv_msg(self._inbox, timeout_ms=10)
+            if isinstance(msg, m.GatewayHello):
+                self.hellos.append(msg)
+                if self.state is not None:
+                    self._send("coordinator", msg.stream_address, self.state)
+            elif isinstance(msg, m.Generate):
+                self.generates.append(msg)
+                for role, item in self.respond(msg):
+                    if role == "sleep":
+                        time.sleep(item)
+                    else:
+                        self._send(role, msg.stream_address, item)
+            elif isinstance(msg, m.Abort):
+                self.aborts.append(msg)
+
+    def _send(self, role: str, address: str, msg: m.Message) -> None:
+        sock = self._senders.get((role, address))
+        if sock is None:
+            sock = make_socket(self._ctx, zmq.PUSH, address, bind=False)
+            self._senders[(role, address)] = sock
+        sock.send_multipart(encode(msg))
+
+
+def chunk(g: m.Generate, choice: int, index: int, ids: list[int], **kw: Any) -> m.TokenChunk:
+    finish = kw.pop("finish_reason", None)
+    return m.TokenChunk(g.request_id, choice, index, ids, kw.pop("logprobs", None),
+                        finished=finish is not None, finish_reason=finish,
+                        num_prompt_tokens=len(g.prompt_token_ids), num_cached_tokens=0)  # fmt: skip
+
+
+def scripted(outputs: list[list[int]]) -> Script:
+    """Choice c plays ``outputs[c % len]`` (its last id is the eos): the decode worker sends
+    tokens 1.. two at a time, then, a little later, the prefill worker sends token 0."""
+
+    def respond(g: m.Generate) -> list[tuple[str, Any]]:
+        decode_part: list[tuple[str, Any]] = []
+        prefill_part: list[tuple[str, Any]] = []
+        for c in range(g.n):
+            ids = outputs[c % len(outputs)]
+            prefill_part.append(("prefill", chunk(g, c, 0, ids[:1])))
+            for i in range(1, len(ids), 2):
+                reason = "stop" if i + 2 >= len(ids) else None
+                decode_part.append(("decode", chunk(g, c, i, ids[i : i + 2], finish_reason=reason)))
+        return [*decode_part, ("sleep", 0.05), *prefill_part]
+
+    return respond
+
+
+def state_for(tiny_dir: Path, tmp_path: Path) -> m.ClusterState:
+    models = [
+        m.ServedModel("tiny", str(tiny_dir), max_model_len=256, ready=True),
+        m.ServedModel("broken", str(tmp_path / "no-model"), max_model_len=64, ready=True),
+        m.ServedModel("warming", str(tiny_dir), max_model_len=256, ready=False),
+    ]
+    return m.ClusterState(models, WORKERS)
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """uvicorn with the app's lifespan (which starts the backend) on a free loopback port."""
+    sock = http_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        if not wait_for(lambda: server.started or not thread.is_alive(), timeout=10):
+            raise RuntimeError("uvicorn did not start")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture
+def outputs(tok: Tokenizer) -> list[list[int]]:
+    eos = tok.eos_token_ids[0]
+    return [[*tok.encode(t, add_special_tokens=False), eos] for t in TEXTS]
+
+
+@pytest.fixture
+def cluster(outputs: list[list[int]]) -> Iterator[FakeCluster]:
+    fake = FakeCluster(scripted(outputs))
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def gateway(cluster: FakeCluster) -> Iterator[tuple[str, ZmqBackend]]:
+    backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=0.5)
+    with serving(gateway_app(backend)) as url:
+        yield url, backend
+
+
+@pytest.fixture
+def url(
+    gateway: tuple[str, ZmqBackend], cluster: FakeCluster, tiny_dir: Path, tmp_path: Path
+) -> str:
+    """A gateway whose fake cluster answers hellos; healthy."""
+    cluster.state = state_for(tiny_dir, tmp_path)
+    assert wait_for(lambda: httpx.get(f"{gateway[0]}/health").status_code == 200)
+    return gateway[0]
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_health_follows_cluster_state(
+    gateway: tuple[str, ZmqBackend], cluster: FakeCluster, tiny_dir: Path, tmp_path: Path
+) -> None:
+    url, backend = gateway
+    assert wait_for(lambda: len(cluster.hellos) >= 2)
+    assert cluster.hellos[0] == m.GatewayHello(backend.stream_address)
+    response = httpx.get(f"{url}/health")
+    assert (response.status_code, response.json()["error"]["code"]) == (
+        503, "service_unavailable",
+    )  # fmt: skip
+    assert httpx.get(f"{url}/v1/models").json() == {"object": "list", "data": []}
+    cluster.state = state_for(tiny_dir, tmp_path)
+    assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+    cluster.state = None  # the coordinator falls silent: stale after state_timeout_s
+    assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, timeout=3)
+
+
+def test_models_lists_ready_models_with_a_tokenizer(
+    url: str, client: openai.OpenAI, tiny_dir: Path, tmp_path: Path
+) -> None:
+    assert httpx.get(f"{url}/v1/models").json() == {
+        "object": "list",
+        "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "pdserve",
+                  "root": str(tiny_dir), "parent": None, "max_model_len": 256}],
+    }  # fmt: skip
+    with pytest.raises(openai.APIStatusError) as broken:
+        client.completions.create(model="broken", prompt="Hi")
+    assert broken.value.status_code == 503
+    message = broken.value.response.json()["error"]["message"]
+    assert message.startswith(f"model `broken` is unavailable: no tokenizer in {tmp_path}")
+    with pytest.raises(openai.APIStatusError) as warming:
+        client.completions.create(model="warming", prompt="Hi")
+    assert warming.value.status_code == 503
+    assert warming.value.response.json()["error"]["message"] == "model `warming` has no workers yet"
+
+
+def test_completion_n2_tokens_out_of_order(
+    client: openai.OpenAI,
+    gateway: tuple[str, ZmqBackend],
+    cluster: FakeCluster,
+    tok: Tokenizer,
+    outputs: list[list[int]],
+) -> None:
+    texts = [tok.decode(ids[:-1]) for ids in outputs]
+    assert texts == TEXTS
+    full = client.completions.create(model="tiny", prompt="Hi", n=2, max_tokens=16)
+    assert [(c.index, c.text, c.finish_reason) for c in full.choices] == [
+        (0, texts[0], "stop"), (1, texts[1], "stop"),
+    ]  # fmt: skip
+    assert full.usage is not None and full.usage.completion_tokens == sum(map(len, outputs))
+    (g,) = cluster.generates
+    assert g == m.Generate(
+        full.id, "tiny", tok.encode("Hi"), m.SamplingSpec(max_tokens=16), 2,
+        gateway[1].stream_address,
+    )  # fmt: skip
+    batch = client.completions.create(model="tiny", prompt=["Hi", "Yo"], n=2, max_tokens=16)
+    assert [c.text for c in batch.choices] == [*texts, *texts]
+    assert sorted(g.request_id for g in cluster.generates[1:]) == [f"{batch.id}-0",
+                                                                 f"{batch.id}-1"]  # fmt: skip
+
+
+def test_chat_stream_n2(client: openai.OpenAI, outputs: list[list[int]], tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi!"}]
+    stream = client.chat.completions.create(model="tiny", messages=messages, n=2, stream=True)  # type: ignore[arg-type]
+    texts, reasons = ["", ""], [None, None]
+    for part in stream:
+        for c in part.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [tok.decode(ids[:-1]) for ids in outputs]
+    assert reasons == ["stop", "stop"]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_admission_failure_is_the_http_status(
+    status: int, url: str, client: openai.OpenAI, cluster: FakeCluster
+) -> None:
+    cluster.respond = lambda g: [("coordinator", m.RequestError(g.request_id, status, "no room"))]
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="tiny", prompt="Hi")
+    code, kind = {429: ("rate_limit_exceeded", "rate_limit_error"),
+                  503: ("service_unavailable", "server_error")}[status]  # fmt: skip
+    assert refused.value.status_code == status
+    error = {"message": "no room", "type": kind, "param": None, "code": code}
+    assert refused.value.response.json() == {"error": error}
+    # A stream has sent its 200 before the refusal arrives: it becomes an error event.
+    body = {"model": "tiny", "prompt": "Hi", "stream": True}
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == 200
+    event = json.dumps({"error": error}, separators=(",", ":"))
+    assert response.text == f"data: {event}\n\ndata: [DONE]\n\n"
+
+
+def test_error_after_first_token(url: str, client: openai.OpenAI, cluster: FakeCluster) -> None:
+    cluster.respond = lambda g: [
+        ("prefill", chunk(g, 0, 0, [100])),
+        ("coordinator", m.RequestError(g.request_id, 500, "decode worker d0 died")),
+    ]
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.completions.create(model="tiny", prompt="Hi")
+    assert failed.value.response.json()["error"]["message"] == "decode worker d0 died"
+
+
+def test_silent_coordinator_fails_waiting_requests(
+    url: str, client: openai.OpenAI, cluster: FakeCluster
+) -> None:
+    cluster.respond = lambda g: []
+    threading.Timer(0.1, lambda: setattr(cluster, "state", None)).start()
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.completions.create(model="tiny", prompt="Hi")
+    assert failed.value.status_code == 503
+    rid = cluster.generates[0].request_id
+    message = f"no answer from the coordinator for request {rid}"
+    assert failed.value.response.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_sends_abort(
+    stream: bool, url: str, client: openai.OpenAI, cluster: FakeCluster, outputs: list[list[int]]
+) -> None:
+    cluster.respond = lambda g: [("prefill", chunk(g, 0, 0, [100]))]  # then nothing
+    body = {"model": "tiny", "prompt": "Hi", "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+            next(response.iter_lines())  # the first token's event
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    assert wait_for(lambda: len(cluster.aborts) == 1)
+    assert cluster.aborts == [m.Abort(cluster.generates[0].request_id, "gateway")]
+    cluster.respond = scripted(outputs)
+    assert client.completions.create(model="tiny", prompt="Hi").choices[0].text == TEXTS[0]
+
+
+def test_bad_messages_on_the_stream_are_dropped(
+    url: str,
+    gateway: tuple[str, ZmqBackend],
+    client: openai.OpenAI,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.zmq_backend")
+    bad = [
+        [b"garbage"],
+        [msgpack.packb({"type": "nope", "v": 1})],
+        [*encode(m.Abort("x", "y")), b"extra frame"],
+    ]
+    expected = []
+    for frames in bad:
+        with pytest.raises(ProtocolError) as e:
+            decode(frames)
+        expected.append(f"dropped a bad message on the token stream: {e.value}")
+    expected.append("dropped an unexpected Abort on the token stream")
+    unknown = m.TokenChunk("no-such-request", 0, 0, [1], None, True, "stop", 1, 0)  # silent
+    ctx = zmq.Context()
+    rogue = make_socket(ctx, zmq.PUSH, gateway[1].stream_address, bind=False)
+    try:
+        for frames in [*bad, encode(m.Abort("x", "y")), encode(unknown)]:
+            rogue.send_multipart(frames)
+        assert wait_for(lambda: len(caplog.records) >= len(expected))
+    finally:
+        ctx.destroy(linger=0)
+    time.sleep(0.05)  # the unknown chunk is dropped without a word
+    assert [r.getMessage() for r in caplog.records] == expected
+    assert client.completions.create(model="tiny", prompt="Hi").choices[0].text == TEXTS[0]
+
+
+def test_metrics_has_per_worker_gauges(url: str) -> None:
+    families = parse_prometheus(httpx.get(f"{url}/metrics").text)
+    prefill = (("role", "prefill"), ("worker", "p0"))
+    decode_ = (("role", "decode"), ("worker", "d0"))
+    expected = {
+        "pdserve_kv_blocks_used": (3, 10),
+        "pdserve_kv_blocks_total": (64, 128),
+        "pdserve_requests_running": (1, 2),
+        "pdserve_requests_waiting": (2, 0),
+    }
+    for name, (p, d) in expected.items():
+        assert families[name] == ("gauge", {(name, prefill): p, (name, decode_): d})
+
+
+def test_token_event_from_chunk() -> None:
+    lp = m.TokenLogprob(token_id=7, logprob=-0.5, rank=1, top=[(7, -0.5), (9, -1.25)])
+    chunk_ = m.TokenChunk("r", 1, 3, [7], [lp], True, "length", 12, 8)
+    assert token_event(chunk_) == TokenEvent(
+        choice=1, index=3, token_ids=[7], logprobs=[TokenLogprobs(-0.5, ((7, -0.5), (9, -1.25)))],
+        finish_reason="length", num_prompt_tokens=12, num_cached_tokens=8,
+    )  # fmt: skip
+    unfinished = m.TokenChunk("r", 0, 0, [7], None, False, "stop", 12, 0)
+    assert token_event(unfinished).finish_reason is None
+    with pytest.raises(BackendError) as aborted:
+        token_event(m.TokenChunk("r", 0, 0, [], None, True, "abort", 12, 0))
+    assert (aborted.value.status, aborted.value.message) == (
+        503, "request r choice 0 was aborted by the cluster",
+    )  # fmt: skip
+
+
+def test_sampling_spec() -> None:
+    assert sampling_spec({"max_tokens": 5, "seed": 3}) == m.SamplingSpec(max_tokens=5, seed=3)
+    with pytest.raises(BackendError) as bad:
+        sampling_spec({"best_of": 2})
+    assert bad.value.status == 500
+
+
+def test_submit_without_a_coordinator_is_503() -> None:
+    async def run() -> BackendError:
+        port_owner = http_socket("127.0.0.1", 0)  # bound, never listening: connections fail
+        address = f"tcp://127.0.0.1:{port_owner.getsockname()[1]}"
+        backend = ZmqBackend(address)
+        await backend.start()
+        try:
+            with pytest.raises(BackendError) as refused:
+                await backend.submit(GenerateRequest("r", "tiny", [1, 2], {"max_tokens": 2}))
+            await backend.abort("r")  # idempotent, and harmless with no coordinator
+            await backend.abort("r")
+            return refused.value
+        finally:
+            await backend.close()
+            port_owner.close()
+
+    error = asyncio.run(run())
+    assert error.status == 503
+    assert error.message.startswith("the coordinator at tcp://127.0.0.1:")
+
+
+def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(COORDINATOR_ENV, "tcp://10.0.0.5:7000")
+    parser = argparse.ArgumentParser()
+    add_gateway_args(parser)
+    assert vars(parser.parse_args(["--port", "0"])) == {
+        "host": "127.0.0.1", "port": 0, "coordinator": "tcp://10.0.0.5:7000",
+        "stream_bind": "tcp://127.0.0.1:0", "log_level": "info",
+    }  # fmt: skip
+    monkeypatch.delenv(COORDINATOR_ENV)
+    parser = argparse.ArgumentParser()
+    add_gateway_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    assert parser.parse_args(["--coordinator", "ipc:///run/c.sock"]).coordinator == (
+        "ipc:///run/c.sock"
+    )
+
+
+def test_gateway_modules_do_not_import_torch() -> None:
+    code = "import sys, gateway.main, gateway.zmq_backend; print('torch' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.strip() == "False"
