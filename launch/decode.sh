@@ -5,5 +5,5 @@
 #      --advertise-host THIS_HOST] [flags...]
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
-: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator's address}"
+: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator address}"
 exec "$pdserve" decode --coordinator "$PDSERVE_COORDINATOR" "$@"

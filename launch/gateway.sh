@@ -3,5 +3,5 @@
 #   PDSERVE_COORDINATOR=tcp://coord-host:5550 launch/gateway.sh [--host 0.0.0.0 --port 8000]
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
-: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator's address}"
+: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator address}"
 exec "$pdserve" gateway --coordinator "$PDSERVE_COORDINATOR" "$@"

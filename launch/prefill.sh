@@ -4,5 +4,5 @@
 #     [--control-bind tcp://0.0.0.0:0 --advertise-host THIS_HOST] [flags...]
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
-: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator's address}"
+: "${PDSERVE_COORDINATOR:?set PDSERVE_COORDINATOR to the coordinator address}"
 exec "$pdserve" prefill --coordinator "$PDSERVE_COORDINATOR" "$@"

@@ -1,0 +1,87 @@
+"""The per-role launch scripts start a cluster serving two models; each answers by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from protocol.sockets import free_port
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in started:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs) -> None:
+    coordinator = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    env = {
+        **os.environ,
+        "PDSERVE_COORDINATOR_BIND": coordinator,
+        "PDSERVE_COORDINATOR": coordinator,
+        "PDSERVE_THREADS": "1",
+    }
+    common = ["--num-kv-blocks=128", "--threads=1"]
+
+    def start(script: str, *args: str) -> None:
+        procs.append(subprocess.Popen(["bash", str(LAUNCH / script), *args], env=env))
+
+    start("coordinator.sh")
+    start("prefill.sh", f"--model={tiny_dir}", "--served-model-name=alpha", *common)
+    start("decode.sh", f"--model={tiny_dir}", "--served-model-name=alpha", *common)
+    start(
+        "decode.sh",
+        f"--model={model_dirs['qwen3']}",
+        "--served-model-name=beta",
+        "--colocated",
+        *common,
+    )
+    start("gateway.sh", f"--port={port}")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    names: list[str] = []
+    while time.monotonic() < deadline and names != ["alpha", "beta"]:
+        assert all(p.poll() is None for p in procs), "a role exited during start-up"
+        try:
+            names = sorted(m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    assert names == ["alpha", "beta"]
+    for model in names:
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=30,
+            json={
+                "model": model,
+                "prompt": "hello",
+                "max_tokens": 5,
+                "ignore_eos": True,
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+    r = httpx.post(f"{url}/v1/completions", json={"model": "gamma", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # every role's command line names it, so operators can find and signal it
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    for role in ("coordinator", "prefill", "decode", "gateway"):
+        assert f"pdserve {role}" in ps
