@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,10 +61,8 @@ def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs) -> None:
     names: list[str] = []
     while time.monotonic() < deadline and names != ["alpha", "beta"]:
         assert all(p.poll() is None for p in procs), "a role exited during start-up"
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             names = sorted(m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"])
-        except httpx.HTTPError:
-            pass
         time.sleep(0.3)
     assert names == ["alpha", "beta"]
     for model in names:
