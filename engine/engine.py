@@ -182,7 +182,7 @@ class LLMEngine(KVHandoffMixin):
 
     def _output(self, seq: Sequence) -> RequestOutput:
         start = seq.num_returned_tokens
-        new_tokens = seq.output_token_ids[start:]
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + start :]
         new_logprobs = seq.output_logprobs[start:] if seq.params.logprobs is not None else []
         seq.num_returned_tokens = seq.num_output_tokens
         return RequestOutput(

@@ -8,6 +8,7 @@ from typing import Protocol
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
+from kvtransfer.common import layout_of
 from protocol import messages as m
 
 
@@ -45,14 +46,8 @@ def engine_logprob(lp: m.TokenLogprob | None) -> TokenLogprob | None:
 
 
 def kv_layout(engine: LLMEngine) -> m.KVLayout:
-    cfg = engine.model_config
-    return m.KVLayout(
-        block_size=engine.block_manager.block_size,
-        dtype=str(engine.runner.dtype).removeprefix("torch."),
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-    )
+    """What this engine's blocks look like to another worker (``Register.layout``)."""
+    return layout_of(engine.runner.kv_cache.layers)
 
 
 def heartbeat(engine: LLMEngine, worker_id: str, queued_prompt_tokens: int) -> m.Heartbeat:

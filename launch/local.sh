@@ -3,4 +3,5 @@
 #   launch/local.sh [--prefill N --decode M --mode disagg|colocated --model DIR --port P]
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
+[ "${1:-}" = serve ] && shift  # `local.sh serve ...` and `local.sh ...` both work
 exec "$pdserve" serve "$@"

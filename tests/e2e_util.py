@@ -14,15 +14,18 @@ from pathlib import Path
 from protocol.sockets import free_port
 
 PDSERVE = [sys.executable, "-m", "launch.cli"]
+LOCAL_SH = ["bash", str(Path(__file__).resolve().parents[1] / "launch" / "local.sh")]
 
 
 class ServedCluster:
-    def __init__(self, model: Path, *flags: str, ready_timeout: float = 90.0) -> None:
+    def __init__(
+        self, model: Path, *flags: str, ready_timeout: float = 90.0, command: list[str] = PDSERVE
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_name = model.name
         self.proc = subprocess.Popen(
-            [*PDSERVE, "serve", f"--model={model}", f"--port={self.port}", *flags],
+            [*command, "serve", f"--model={model}", f"--port={self.port}", *flags],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine.tokenizer import Tokenizer
-from tests.e2e_util import ServedCluster
+from tests.e2e_util import LOCAL_SH, PDSERVE, ServedCluster
 from tests.engine_util import greedy, hf_greedy, make_engine
 
 PROMPTS = ["The quick brown fox", "Serving systems split prefill", "a", "Ünïcödé 数字 and 123"]
@@ -184,14 +184,15 @@ def aborted_count(c: ServedCluster) -> float:
     [
         ("--prefill=2", "--decode=2"),
         ("--transfer-backend=ucx",),
-        ("--mode=colocated",),
+        ("--mode=colocated", "--pin"),
     ],
-    ids=["2P2D-zmq", "1P1D-ucx", "colocated"],
+    ids=["2P2D-zmq", "1P1D-ucx", "colocated-pinned-via-local.sh"],
 )
 def test_cluster_shapes_give_the_same_tokens(tiny_dir, flags) -> None:
     if "--transfer-backend=ucx" in flags:
         pytest.importorskip("ucxx")
-    c = ServedCluster(tiny_dir, "--num-kv-blocks=256", *flags)
+    command = LOCAL_SH if "--mode=colocated" in flags else PDSERVE
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=256", *flags, command=command)
     try:
         api = client(c)
         for prompt in PROMPTS[:3]:
