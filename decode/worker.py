@@ -17,7 +17,8 @@ and everything it says goes through an ``Outbox``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocks
 from engine.engine import LLMEngine, RequestOutput
@@ -36,6 +37,7 @@ class Choice:
     sampling: m.SamplingSpec
     stream_address: str
     first_token: int | None = None
+    reserved_at: float = field(default_factory=time.monotonic)
     first_logprob: m.TokenLogprob | None = None
     num_cached_tokens: int = 0
 
@@ -48,7 +50,13 @@ class DecodeWorker:
         worker_id: str,
         outbox: Outbox,
         transfer_timeout_s: float = 30.0,
+        kv_failure_policy: str = "recompute",
     ) -> None:
+        if kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"kv_failure_policy must be recompute or fail, not {kv_failure_policy!r}"
+            )
+        self.kv_failure_policy = kv_failure_policy
         self.engine = engine
         self.receiver = receiver
         self.worker_id = worker_id
@@ -102,6 +110,11 @@ class DecodeWorker:
         choice.first_token = msg.first_token_ids[0]
         choice.first_logprob = msg.first_logprobs[0] if msg.first_logprobs else None
         choice.num_cached_tokens = msg.num_cached_tokens
+        if msg.error is not None:
+            if self.receiver is not None:
+                self.receiver.release(key)
+            self._on_transfer_failed(key, choice, msg.error)
+            return
         self.receiving[key] = choice
 
     def _run_locally(self, msg: m.PrefillJob) -> None:
@@ -139,14 +152,14 @@ class DecodeWorker:
         return True
 
     def _admit_received(self) -> None:
+        self._expire_reservations()
         for key, choice in list(self.receiving.items()):
             state = self.receiver.poll(key) if self.receiver is not None else KVPoll.DONE
             if state is KVPoll.FAILED:
                 reason = self.receiver.failure_reason(key) if self.receiver else None
                 del self.receiving[key]
-                self.engine.abort(key)
                 self.receiver.release(key)
-                self._fail(choice, 500, f"KV transfer failed: {reason}")
+                self._on_transfer_failed(key, choice, reason)
             elif state is KVPoll.DONE:
                 del self.receiving[key]
                 if self.receiver is not None:
@@ -161,6 +174,36 @@ class DecodeWorker:
                 )
                 self.engine.requests[key].num_cached_tokens = choice.num_cached_tokens
                 self.running[key] = choice
+
+    def _expire_reservations(self) -> None:
+        """A reservation nobody followed up (its prefill worker and the coordinator both gone):
+        the coordinator normally sends TransferDone or Abort well within this time."""
+        now = time.monotonic()
+        for key, choice in list(self.reserved.items()):
+            if now - choice.reserved_at > 3 * self.transfer_timeout_s:
+                del self.reserved[key]
+                if self.receiver is not None:
+                    self.receiver.release(key)
+                self.engine.abort(key)
+                self._fail(choice, 503, "the prompt's KV never arrived")
+
+    def _on_transfer_failed(self, key: str, choice: Choice, reason: str | None) -> None:
+        """``recompute``: prefill the prompt (and token 0) here instead; ``fail``: end it."""
+        if self.kv_failure_policy == "recompute":
+            logger.warning("KV transfer for %s failed (%s): recomputing locally", key, reason)
+            try:
+                params = sampling_params(choice.sampling, choice.choice)
+                self.engine.add_continuation(
+                    key, choice.prompt_token_ids, [choice.first_token], params
+                )
+            except ValueError as e:
+                self.engine.abort(key)
+                self._fail(choice, 500, f"KV transfer failed ({reason}); recompute failed: {e}")
+                return
+            self.running[key] = choice
+            return
+        self.engine.abort(key)
+        self._fail(choice, 500, f"KV transfer failed: {reason}")
 
     def _emit(self, out: RequestOutput) -> None:
         choice = self.running.get(out.request_id)

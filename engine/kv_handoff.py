@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import SequenceStatus, TokenLogprob
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
@@ -67,21 +67,51 @@ class KVHandoffMixin:
         if request_id not in self.reserved:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
         try:
-            seq = self._new_sequence(request_id, prompt_token_ids, params)
+            seq = self._continued(request_id, prompt_token_ids, [first_token], params)
         except ValueError:
             self.cancel_reservation(request_id)
             raise
         seq.block_table = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.token_ids.append(first_token)
         if first_logprob is not None:
             seq.output_logprobs.append(first_logprob)
-        seq.num_returned_tokens = 1
+        self._admit_continued(seq)
+
+    def add_continuation(
+        self: LLMEngine,
+        request_id: str,
+        prompt_token_ids: list[int],
+        generated: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Take over a request whose first ``generated`` tokens were produced elsewhere: the
+        prompt and those tokens are computed again here (after a failed KV transfer, or when
+        a request moves off a dead worker), and outputs continue at ``len(generated)``."""
+        self.cancel_reservation(request_id)
+        seq = self._continued(request_id, prompt_token_ids, generated, params)
+        self._admit_continued(seq)
+
+    def _continued(
+        self: LLMEngine,
+        request_id: str,
+        prompt_token_ids: list[int],
+        generated: list[int],
+        params: SamplingParams,
+    ) -> Sequence:
+        if not generated:
+            raise ValueError("a continued request needs at least one generated token")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.token_ids.extend(generated)
+        seq.num_returned_tokens = len(generated)
         if seq.generator is not None and not params.greedy:
-            # token 0 drew once from this seed on the prefill side; stay in step with it
-            self.sampler.skip_draw(seq.generator, self.model_config.vocab_size)
-        self.requests[request_id] = seq
+            # each earlier token drew once from this seed elsewhere; stay in step with it
+            for _ in generated:
+                self.sampler.skip_draw(seq.generator, self.model_config.vocab_size)
+        return seq
+
+    def _admit_continued(self: LLMEngine, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
-        self._check_finish(seq, first_token)
+        self._check_finish(seq, seq.last_token_id)
         if seq.status is SequenceStatus.FINISHED:
             self._final_outputs.append(seq)  # reported, with its finish reason, next step

@@ -18,6 +18,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from kvtransfer.base import (
     TransferError,
     TransferSpec,
 )
+from kvtransfer.faults import FaultDice, FaultPlan
 from protocol.messages import KVHeader, ProtocolError, decode, encode
 from protocol.sockets import bound_address, make_socket
 
@@ -47,11 +49,20 @@ class _Job:
     spec: TransferSpec
     staged: list[torch.Tensor]  # one [n, 2, bs, H, D] tensor per layer
     frames: list | None = None  # header + zero-copy views of ``staged``, built once
+    fault: str | None = None  # injected fault for this transfer (kvtransfer.faults)
+    not_before: float = 0.0  # monotonic time it may leave (delay fault)
 
 
 class ZmqKVSender(common.TableBacked, KVSender):
-    def __init__(self, *, checksum: bool = False, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        checksum: bool = False,
+        ctx: zmq.Context | None = None,
+        fault: FaultPlan | None = None,
+    ) -> None:
         self.checksum = checksum
+        self._dice = FaultDice(fault) if fault is not None else None
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
         self._table = common.TransferTable("zmq sender")
@@ -69,7 +80,12 @@ class ZmqKVSender(common.TableBacked, KVSender):
         common.check_block_ids(spec.src_block_ids, kv_layers[0].shape[0], spec.request_id)
         staged = common.gather(kv_layers, spec.src_block_ids)
         self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
-        self._jobs.put(_Job(spec, staged))
+        job = _Job(spec, staged)
+        if self._dice is not None and self._dice.hit():
+            job.fault = self._dice.plan.mode
+            if job.fault == "delay":
+                job.not_before = time.monotonic() + self._dice.plan.delay_s
+        self._jobs.put(job)
         self._wake_w.send(b"\0")
 
     def close(self) -> None:
@@ -134,6 +150,12 @@ class ZmqKVSender(common.TableBacked, KVSender):
         entry = self._table.get(rid)
         if entry is None or entry.state.finished:
             return True  # released or timed out before it left
+        if job.fault == "drop":
+            log.warning("injected fault: dropping transfer %r", rid)
+            self._table.advance(rid, KVPoll.DONE)
+            return True
+        if time.monotonic() < job.not_before:
+            return False
         try:
             sock = sockets.get(address)
             if sock is None:
@@ -143,7 +165,7 @@ class ZmqKVSender(common.TableBacked, KVSender):
                 sockets[address] = sock
             if job.frames is None:
                 header = encode(self._header(job.spec, job.staged))
-                job.frames = [*header, *(common.as_bytes(t) for t in job.staged)]
+                job.frames = [*header, *_faulty(job, [common.as_bytes(t) for t in job.staged])]
             tracker = sock.send_multipart(job.frames, flags=zmq.NOBLOCK, copy=False, track=True)
         except zmq.Again:
             return False
@@ -153,6 +175,19 @@ class ZmqKVSender(common.TableBacked, KVSender):
         if self._table.advance(rid, KVPoll.TRANSFERRING):
             trackers[rid] = tracker
         return True
+
+
+def _faulty(job: _Job, layers: list[memoryview]) -> list:
+    """The layer frames as a faulty wire would deliver them (after the checksum was taken)."""
+    if job.fault == "truncate":
+        log.warning("injected fault: truncating transfer %r", job.spec.request_id)
+        return layers[:-1]
+    if job.fault == "corrupt":
+        log.warning("injected fault: corrupting transfer %r", job.spec.request_id)
+        first = bytearray(layers[0])
+        first[len(first) // 2] ^= 0xFF
+        return [memoryview(first), *layers[1:]]
+    return layers
 
 
 class ZmqKVReceiver(common.TableBacked, KVReceiver):

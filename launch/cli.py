@@ -86,7 +86,13 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "add_gateway_args",
         "run_gateway",
     ),
-    "bench": _not_yet("bench", "the benchmark harness issue"),
+    "bench": _role(
+        "bench",
+        "TTFT/TPOT benchmark client for any OpenAI-compatible server",
+        "bench.cli",
+        "add_bench_args",
+        "run_bench",
+    ),
 }
 
 

@@ -43,6 +43,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--transfer-backend", default="zmq", choices=["zmq", "host", "ucx"])
     g.add_argument("--transfer-bind", default=None, help="KV receiver address (decode)")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+    g.add_argument(
+        "--no-kv-checksum",
+        dest="kv_checksum",
+        action="store_false",
+        help="skip the per-transfer checksum (on by default: corruption is caught)",
+    )
     g.add_argument("--worker-id", default=None)
     g.add_argument(
         "--served-model-name",
@@ -54,6 +60,19 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
             "--colocated",
             action="store_true",
             help="also prefill locally (role 'both': the colocated baseline)",
+        )
+        g.add_argument(
+            "--kv-failure-policy",
+            choices=["recompute", "fail"],
+            default="recompute",
+            help="when a KV transfer fails: prefill here instead, or end the request",
+        )
+    else:
+        g.add_argument(
+            "--kv-fault",
+            default=None,
+            metavar="MODE[:RATE[:DELAY_S]]",
+            help="inject transfer faults (testing): drop, delay, truncate, corrupt",
         )
 
 
@@ -77,14 +96,23 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     if role == "prefill":
         from prefill.worker import PrefillWorker
 
-        transport = make_sender(args.transfer_backend)
+        options = {}
+        if args.kv_fault:
+            from kvtransfer.faults import FaultPlan
+
+            options["fault"] = FaultPlan.parse(args.kv_fault)
+        transport = make_sender(args.transfer_backend, checksum=args.kv_checksum, **options)
         worker = PrefillWorker(engine, transport, worker_id, outbox, args.transfer_timeout)
         transfer_address = ""
     else:
         from decode.worker import DecodeWorker
 
-        transport = make_receiver(args.transfer_backend, layers, args.transfer_bind)
-        worker = DecodeWorker(engine, transport, worker_id, outbox, args.transfer_timeout)
+        transport = make_receiver(
+            args.transfer_backend, layers, args.transfer_bind, require_checksum=args.kv_checksum
+        )
+        worker = DecodeWorker(
+            engine, transport, worker_id, outbox, args.transfer_timeout, args.kv_failure_policy
+        )
         transfer_address = _advertised(transport.address, args.advertise_host)
     register = m.Register(
         role=wire_role,

@@ -6,7 +6,7 @@ Lifecycle of one choice (``key = request_id#choice``), each in exactly one dict:
                      │  (chunked, in        │                      blocks released into the
                      │   the engine)        │ FAILED               prefix cache)
                      │                      ▼
-                     │              error to gateway + coordinator, blocks released
+                     │              TransferDone(error): the decode worker's policy decides
                      └─ token 0 ends the request (eos, stop token, max_tokens=1):
                         final chunk to the gateway, Finished to the coordinator, no transfer
 
@@ -125,14 +125,15 @@ class PrefillWorker:
         )
         try:
             self.sender.send(spec, self.engine.runner.kv_cache.layers)
-        except Exception as e:
+        except Exception as e:  # any transport failure fails this transfer only
             self.engine.release(key)
-            self._fail(job, 500, f"KV transfer could not start: {e}")
+            error = f"KV transfer could not start: {e}"
+            self.outbox.to_coordinator(dataclasses.replace(done, error=error))
             return
         self.sending[key] = (job, done)
 
     def _poll_transfers(self) -> None:
-        for key, (job, done) in list(self.sending.items()):
+        for key, (_job, done) in list(self.sending.items()):
             state = self.sender.poll(key)
             if not state.finished:
                 continue
@@ -140,10 +141,9 @@ class PrefillWorker:
             reason = self.sender.failure_reason(key)
             self.sender.release(key)
             self.engine.release(key)
-            if state is KVPoll.DONE:
-                self.outbox.to_coordinator(done)
-            else:
-                self._fail(job, 500, f"KV transfer failed: {reason}")
+            # a failed push still hands token 0 over: the decode worker's policy decides
+            error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"
+            self.outbox.to_coordinator(dataclasses.replace(done, error=error))
 
     def _fail(self, job: m.PrefillJob, status: int, message: str) -> None:
         logger.warning("request %s#%d failed: %s", job.request_id, job.choice, message)

@@ -227,13 +227,15 @@ class PrefillJob(Message):
 @message("transfer_done")
 @dataclass(frozen=True)
 class TransferDone(Message):
-    """Prefill → coordinator → decode: KV pushed; token 0 of every choice (index = choice)."""
+    """Prefill → coordinator → decode: the KV push ended (``error`` set when it failed, and
+    the decode worker's failure policy decides); token 0 of the choice rides along."""
 
     request_id: str
     first_token_ids: list[int]
     first_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
     choice: int = 0
+    error: str | None = None
 
 
 @message("token_chunk")

@@ -15,6 +15,7 @@ from decode.worker import DecodeWorker
 from engine.engine import LLMEngine
 from engine.wire import heartbeat, kv_layout
 from kvtransfer import make_receiver, make_sender
+from kvtransfer.faults import FaultPlan
 from prefill.worker import PrefillWorker
 from protocol import messages as m
 
@@ -54,6 +55,9 @@ class Cluster:
         engines_d: list[LLMEngine],
         backend: str = "zmq",
         colocated: bool = False,
+        fault: FaultPlan | None = None,
+        policy: str = "recompute",
+        transfer_timeout_s: float = 30.0,
     ) -> None:
         self.bus = Bus()
         self.backend = backend
@@ -61,8 +65,10 @@ class Cluster:
         self.workers: dict[str, PrefillWorker | DecodeWorker] = {}
         for i, engine in enumerate(engines_p):
             wid = f"p{i}"
+            options = {"fault": fault} if fault is not None else {}
+            sender = make_sender(backend, checksum=True, **options)
             self.workers[wid] = PrefillWorker(
-                engine, make_sender(backend, checksum=True), wid, self.bus.outbox()
+                engine, sender, wid, self.bus.outbox(), transfer_timeout_s
             )
             self._register(wid, "prefill", engine, "")
         for i, engine in enumerate(engines_d):
@@ -72,7 +78,9 @@ class Cluster:
                 if colocated
                 else make_receiver(backend, engine.runner.kv_cache.layers, require_checksum=True)
             )
-            self.workers[wid] = DecodeWorker(engine, receiver, wid, self.bus.outbox())
+            self.workers[wid] = DecodeWorker(
+                engine, receiver, wid, self.bus.outbox(), transfer_timeout_s, policy
+            )
             self._register(
                 wid, "both" if colocated else "decode", engine, receiver.address if receiver else ""
             )
@@ -118,7 +126,7 @@ class Cluster:
         busy = any([w.step() for w in self.workers.values()])
         if busy:
             time.sleep(0.0005)  # let transfer threads run
-        return busy or delivered
+        return busy or delivered or bool(self.bus.queue)
 
     def pump(self, max_rounds: int = 20000) -> None:
         """Deliver messages and step workers until nothing is left to do."""

@@ -92,3 +92,24 @@ def test_reservation_fails_cleanly_when_full(tiny_dir) -> None:
     assert decode.block_manager.num_used_blocks == 3
     decode.abort("a")
     assert decode.block_manager.num_used_blocks == 0
+
+
+def test_continuation_recomputes_and_continues(tiny_dir) -> None:
+    engine = make_engine(tiny_dir)
+    prompt = prompts(engine.model_config.vocab_size, [13], seed=20)[0]
+    ref = hf_greedy(tiny_dir, prompt, 9)
+    engine.reserve("r", 14)  # a reservation the failed transfer leaves behind is given back
+    engine.add_continuation("r", prompt, ref[:4], greedy(9))
+    out = run_all(engine)["r"]
+    assert out.new_token_ids == ref[4:]
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_seeded_continuation_equals_one_engine(tiny_dir) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
+    engine = make_engine(tiny_dir)
+    prompt = prompts(engine.model_config.vocab_size, [7], seed=21)[0]
+    full = engine.generate([prompt], params)[0].new_token_ids
+    other = make_engine(tiny_dir)
+    other.add_continuation("r", prompt, full[:3], params)
+    assert full[:3] + run_all(other)["r"].new_token_ids == full
