@@ -40,6 +40,7 @@ class Route:
     state: str  # reserving | prefilling | decoding | local
     decode: str = ""
     prefill: str = ""
+    job: m.PrefillJob | None = None  # kept to re-send if its prefill worker dies
 
 
 class Coordinator:
@@ -72,8 +73,26 @@ class Coordinator:
         for worker in self.registry.expire(now):
             self.outbox.forget_worker(worker.worker_id)
             for key, route in list(self.routes.items()):
-                if worker.worker_id in (route.decode, route.prefill):
-                    self._fail(key, 503, f"worker {worker.worker_id} stopped responding")
+                if key in self.routes and worker.worker_id in (route.decode, route.prefill):
+                    self._worker_lost(key, route, worker.worker_id)
+
+    def _worker_lost(self, key: tuple[str, int], route: Route, worker_id: str) -> None:
+        """Work the dead worker had not started goes elsewhere; started work fails (503)."""
+        req = route.request
+        if route.state == "reserving" and route.decode == worker_id:
+            del self.routes[key]
+            self._reserve(req, route.choice)
+        elif route.state == "prefilling" and route.prefill == worker_id:
+            # the decode reservation still stands: prefill again on another worker
+            prefill = self.registry.pick_prefill(req.model, len(req.prompt_token_ids))
+            if prefill is None or route.job is None:
+                self._fail(key, 503, f"worker {worker_id} stopped responding")
+                return
+            logger.info("request %s#%d: prefill moves to %s", key[0], key[1], prefill.worker_id)
+            route.prefill = prefill.worker_id
+            self._send(prefill.worker_id, route.job)
+        else:
+            self._fail(key, 503, f"worker {worker_id} stopped responding")
 
     def _register(self, info: m.Register, now: float) -> None:
         try:
@@ -92,27 +111,28 @@ class Coordinator:
             self._error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
             return
         for choice in range(req.n):
-            key = (req.request_id, choice)
             if not reg.disaggregated(req.model):
                 self._run_colocated(req, choice)
-                continue
-            bs = self._block_size(req.model)
-            worker = reg.pick_decode(req.model, -(-(len(req.prompt_token_ids) + 1) // bs))
-            if worker is None:
-                self._fail(key, 503, "no decode worker has free KV blocks for this prompt", req)
+            elif not self._reserve(req, choice):
                 return
-            self.routes[key] = Route(req, choice, "reserving", decode=worker.worker_id)
-            self._send(
-                worker.worker_id,
-                m.Reserve(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    req.sampling,
-                    req.n,
-                    req.stream_address,
-                    choice,
-                ),
-            )
+
+    def _reserve(self, req: m.Generate, choice: int) -> bool:
+        """Ask the decode worker with the most room to hold blocks for this choice."""
+        bs = self._block_size(req.model)
+        need = -(-(len(req.prompt_token_ids) + 1) // bs)
+        worker = self.registry.pick_decode(req.model, need)
+        if worker is None:
+            key = (req.request_id, choice)
+            self._fail(key, 503, "no decode worker has free KV blocks for this prompt", req)
+            return False
+        self.routes[(req.request_id, choice)] = Route(
+            req, choice, "reserving", decode=worker.worker_id
+        )
+        msg = m.Reserve(
+            req.request_id, req.prompt_token_ids, req.sampling, req.n, req.stream_address, choice
+        )
+        self._send(worker.worker_id, msg)
+        return True
 
     def _run_colocated(self, req: m.Generate, choice: int) -> None:
         worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))
@@ -153,20 +173,18 @@ class Coordinator:
             self._fail(key, 503, f"model {req.model} has no prefill worker")
             return
         route.state, route.prefill = "prefilling", prefill.worker_id
-        self._send(
-            prefill.worker_id,
-            m.PrefillJob(
-                req.request_id,
-                req.prompt_token_ids,
-                req.sampling,
-                req.n,
-                msg.worker_id,
-                msg.block_ids,
-                msg.transfer_address,
-                req.stream_address,
-                msg.choice,
-            ),
+        route.job = m.PrefillJob(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            req.n,
+            msg.worker_id,
+            msg.block_ids,
+            msg.transfer_address,
+            req.stream_address,
+            msg.choice,
         )
+        self._send(prefill.worker_id, route.job)
 
     def _transfer_done(self, msg: m.TransferDone, now: float) -> None:
         route = self.routes.get((msg.request_id, msg.choice))

@@ -114,15 +114,18 @@ class Cluster:
             ("coordinator", m.Generate(request_id, "tiny", prompt, spec, n, gateway))
         )
 
+    def deliver_next(self) -> None:
+        dest, msg = self.bus.queue.popleft()
+        if dest == "coordinator":
+            self.coordinator.handle(msg, time.monotonic())
+        else:
+            self.workers[dest].handle(msg)
+
     def pump_round(self) -> bool:
         """Deliver every queued message, step every worker once; whether anything happened."""
         delivered = bool(self.bus.queue)
         while self.bus.queue:
-            dest, msg = self.bus.queue.popleft()
-            if dest == "coordinator":
-                self.coordinator.handle(msg, time.monotonic())
-            else:
-                self.workers[dest].handle(msg)
+            self.deliver_next()
         busy = any([w.step() for w in self.workers.values()])
         if busy:
             time.sleep(0.0005)  # let transfer threads run
