@@ -72,9 +72,12 @@ class Coordinator:
     def tick(self, now: float) -> None:
         for worker in self.registry.expire(now):
             self.outbox.forget_worker(worker.worker_id)
-            for key, route in list(self.routes.items()):
-                if key in self.routes and worker.worker_id in (route.decode, route.prefill):
-                    self._worker_lost(key, route, worker.worker_id)
+            self._reroute_from(worker.worker_id)
+
+    def _reroute_from(self, worker_id: str) -> None:
+        for key, route in list(self.routes.items()):
+            if key in self.routes and worker_id in (route.decode, route.prefill):
+                self._worker_lost(key, route, worker_id)
 
     def _worker_lost(self, key: tuple[str, int], route: Route, worker_id: str) -> None:
         """Work the dead worker had not started goes elsewhere; started work fails (503)."""
@@ -91,10 +94,36 @@ class Coordinator:
             logger.info("request %s#%d: prefill moves to %s", key[0], key[1], prefill.worker_id)
             route.prefill = prefill.worker_id
             self._send(prefill.worker_id, route.job)
+        elif route.state in ("decoding", "local"):
+            # tokens are streaming: the gateway may resume this choice on another worker
+            del self.routes[key]
+            other = {route.decode, route.prefill} - {"", worker_id}
+            for wid in other:
+                self._send(wid, m.Abort(key[0], "worker lost", key[1]))
+            self.outbox.to_gateway(
+                req.stream_address,
+                m.RequestError(
+                    key[0],
+                    503,
+                    f"worker {worker_id} stopped responding",
+                    key[1],
+                    retryable=True,
+                ),
+            )
         else:
             self._fail(key, 503, f"worker {worker_id} stopped responding")
 
     def _register(self, info: m.Register, now: float) -> None:
+        known = self.registry.workers.get(info.worker_id)
+        if known is not None and known.info == info:
+            known.last_seen = now  # workers re-send Register every second
+            return
+        if known is not None:
+            # the same worker id, started again: whatever the old process held is gone
+            logger.warning("worker %s restarted", info.worker_id)
+            del self.registry.workers[info.worker_id]
+            self.outbox.forget_worker(info.worker_id)
+            self._reroute_from(info.worker_id)
         try:
             self.registry.register(info, now)
         except LayoutMismatchError as e:
@@ -109,6 +138,9 @@ class Coordinator:
             return
         if not reg.ready(req.model):
             self._error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
+            return
+        if req.resume_choice is not None:
+            self._resume(req)
             return
         for choice in range(req.n):
             if not reg.disaggregated(req.model):
@@ -133,6 +165,40 @@ class Coordinator:
         )
         self._send(worker.worker_id, msg)
         return True
+
+    def _resume(self, req: m.Generate) -> None:
+        """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far
+        and decodes on (no transfer)."""
+        choice = req.resume_choice
+        bs = self._block_size(req.model)
+        need = -(-(len(req.prompt_token_ids) + len(req.resume_token_ids) + 1) // bs)
+        worker = self.registry.pick_decode(req.model, need)
+        if worker is None:
+            self._error_to(req, 503, "no decode worker can take over this request")
+            return
+        logger.info(
+            "request %s#%d resumes on %s after %d tokens",
+            req.request_id,
+            choice,
+            worker.worker_id,
+            len(req.resume_token_ids),
+        )
+        self.routes[(req.request_id, choice)] = Route(
+            req, choice, "local", decode=worker.worker_id, prefill=worker.worker_id
+        )
+        job = m.PrefillJob(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            req.n,
+            worker.worker_id,
+            [],
+            "",
+            req.stream_address,
+            choice,
+            list(req.resume_token_ids),
+        )
+        self._send(worker.worker_id, job)
 
     def _run_colocated(self, req: m.Generate, choice: int) -> None:
         worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))

@@ -25,6 +25,7 @@ class Worker:
     running: int = 0
     waiting: int = 0
     queued_prompt_tokens: int = 0
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -71,6 +72,9 @@ class WorkerRegistry:
         worker.free_blocks, worker.used_blocks = hb.free_blocks, hb.used_blocks
         worker.running, worker.waiting = hb.running, hb.waiting
         worker.queued_prompt_tokens = hb.queued_prompt_tokens
+        if hb.draining and not worker.draining:
+            logger.info("worker %s is draining: no new work goes to it", worker.worker_id)
+        worker.draining = hb.draining
         return True
 
     def expire(self, now: float) -> list[Worker]:
@@ -120,7 +124,7 @@ class WorkerRegistry:
         return any(w.can_prefill for w in pool) and any(w.can_decode for w in pool)
 
     def _serving(self, model: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.info.model == model]
+        return [w for w in self.workers.values() if w.info.model == model and not w.draining]
 
     # ---- reporting -------------------------------------------------------------------------
     def cluster_state(self) -> m.ClusterState:

@@ -61,6 +61,7 @@ class DecodeWorker:
         self.receiver = receiver
         self.worker_id = worker_id
         self.outbox = outbox
+        self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
         self.reserved: dict[str, Choice] = {}
         self.receiving: dict[str, Choice] = {}
@@ -80,6 +81,9 @@ class DecodeWorker:
             logger.warning("decode worker ignores %s", type(msg).__name__)
 
     def _reserve(self, msg: m.Reserve) -> None:
+        if self.draining:
+            self.outbox.to_coordinator(self._reserved(msg, [], "worker is draining"))
+            return
         key = engine_key(msg.request_id, msg.choice)
         choice = Choice(
             msg.request_id, msg.choice, msg.prompt_token_ids, msg.sampling, msg.stream_address
@@ -122,10 +126,17 @@ class DecodeWorker:
         choice = Choice(
             msg.request_id, msg.choice, msg.prompt_token_ids, msg.sampling, msg.stream_address
         )
+        if self.draining:
+            self._fail(choice, 503, "worker is draining")
+            return
+        params = sampling_params(msg.sampling, msg.choice)
         try:
-            self.engine.add_request(
-                key, msg.prompt_token_ids, sampling_params(msg.sampling, msg.choice)
-            )
+            if msg.generated_token_ids:  # a stream moving here from a dead worker
+                self.engine.add_continuation(
+                    key, msg.prompt_token_ids, msg.generated_token_ids, params
+                )
+            else:
+                self.engine.add_request(key, msg.prompt_token_ids, params)
         except ValueError as e:
             self._fail(choice, 400, str(e))
             return
@@ -234,6 +245,13 @@ class DecodeWorker:
         error = m.RequestError(choice.request_id, status, message)
         self.outbox.to_gateway(choice.stream_address, error)
         self.outbox.to_coordinator(error)
+
+    def begin_drain(self) -> None:
+        """Finish what is here; new work is turned away (the coordinator stops sending it)."""
+        self.draining = True
+
+    def in_flight(self) -> bool:
+        return bool(self.reserved or self.receiving or self.running)
 
     @property
     def queued_prompt_tokens(self) -> int:

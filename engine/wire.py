@@ -50,7 +50,9 @@ def kv_layout(engine: LLMEngine) -> m.KVLayout:
     return layout_of(engine.runner.kv_cache.layers)
 
 
-def heartbeat(engine: LLMEngine, worker_id: str, queued_prompt_tokens: int) -> m.Heartbeat:
+def heartbeat(
+    engine: LLMEngine, worker_id: str, queued_prompt_tokens: int, draining: bool = False
+) -> m.Heartbeat:
     bm = engine.block_manager
     return m.Heartbeat(
         worker_id=worker_id,
@@ -60,4 +62,5 @@ def heartbeat(engine: LLMEngine, worker_id: str, queued_prompt_tokens: int) -> m
         running=len(engine.scheduler.running),
         waiting=len(engine.scheduler.waiting),
         queued_prompt_tokens=queued_prompt_tokens,
+        draining=draining,
     )

@@ -12,11 +12,14 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from engine.tokenizer import Tokenizer
+from gateway.admission import GENERATE_PATHS, Admission, AdmissionState
 from gateway.backend import Backend, BackendError, ModelInfo
+from gateway.config import GatewayConfig
 from gateway.errors import (
     OpenAIError,
     error_response,
@@ -27,10 +30,9 @@ from gateway.errors import (
 from gateway.generation import Generation
 from gateway.jobs import Job, prepare_chat, prepare_completion
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from gateway.stream import collect, error_body, stream_events
 
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
 
@@ -38,6 +40,8 @@ def request_outcome(error: OpenAIError) -> str:
     """The ``pdserve_requests_total`` outcome of a request answered with ``error``."""
     if error.status in (429, 503):
         return "rejected"
+    if error.code == "timeout":
+        return "timeout"
     return "error" if error.status >= 500 else "invalid"
 
 
@@ -64,19 +68,26 @@ def create_app(
     *,
     metrics: GatewayMetrics | None = None,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    config: GatewayConfig | None = None,
 ) -> FastAPI:
     """``tokenizers`` maps each served model name to its tokenizer; a model is available once
     ``backend.models()`` lists it too. It may load them lazily: an ``OpenAIError`` raised by
     ``tokenizers.get`` answers the request. ``lifespan`` runs around the server (it starts and
-    stops a backend that owns sockets)."""
+    stops a backend that owns sockets). ``app.state.admission`` is the in-flight count and the
+    drain flag (``gateway.drain`` drives them)."""
     metrics = metrics or GatewayMetrics()
+    config = config or GatewayConfig()
+    admission = AdmissionState()
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.admission = admission
 
-    def on_error(request: Request, error: OpenAIError) -> None:
-        if request.url.path in GENERATE_PATHS:
+    def count(path: str, error: OpenAIError) -> None:
+        if path in GENERATE_PATHS:
             metrics.requests.inc(outcome=request_outcome(error))
 
-    install_error_handlers(app, on_error)
+    install_error_handlers(app, lambda request, error: count(request.url.path, error))
+    app.add_middleware(Admission, config=config, state=admission, on_reject=count)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     def lookup(model: str) -> tuple[Tokenizer, ModelInfo]:
         tokenizer = tokenizers.get(model)
@@ -88,7 +99,8 @@ def create_app(
         return tokenizer, info
 
     async def serve(job: Job, tokenizer: Tokenizer, request: Request) -> Response:
-        gen = Generation(backend, tokenizer, job, metrics)
+        gen = Generation(backend, tokenizer, job, metrics, timeout_s=config.timeout_s)
+        admission.generations.add(gen)
         try:
             await gen.start()
         except BackendError as e:
@@ -103,15 +115,19 @@ def create_app(
             )
         return await complete(gen, request)
 
-    @app.post("/v1/chat/completions")
+    # Template and tokenizer run in a thread: a long prompt must not stall every stream (it
+    # still does while the tokenizer holds the GIL).
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         tokenizer, info = lookup(body.model)
-        return await serve(prepare_chat(body, tokenizer, info), tokenizer, request)
+        job = await asyncio.to_thread(prepare_chat, body, tokenizer, info)
+        return await serve(job, tokenizer, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tokenizer, info = lookup(body.model)
-        return await serve(prepare_completion(body, tokenizer, info), tokenizer, request)
+        job = await asyncio.to_thread(prepare_completion, body, tokenizer, info)
+        return await serve(job, tokenizer, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -119,15 +135,33 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if admission.draining:
+            return error_response(OpenAIError(503, "draining", code="draining"))
         if not backend.health():
             return error_response(OpenAIError(503, "the backend is not ready"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
+        metrics.in_flight.set(admission.in_flight)
         return Response(metrics.render(backend.worker_stats()), media_type=CONTENT_TYPE)
 
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without the 422 it documents for every body: errors here are 400s with
+    an OpenAI body (``ERROR_RESPONSES``)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def complete(gen: Generation, request: Request) -> Response:

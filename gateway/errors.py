@@ -1,7 +1,11 @@
-"""OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}`` and their statuses."""
+"""OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}`` and their statuses.
+
+Every 429 and 503 carries ``Retry-After`` (seconds), so clients and load balancers back off.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.backend import BackendError
 
 _CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 500: "internal_error"}
+RETRY_AFTER_S = 1
 
 
 def _default_type(status: int) -> str:
@@ -30,6 +35,7 @@ class OpenAIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,6 +43,9 @@ class OpenAIError(Exception):
         self.type = type or _default_type(status)
         self.param = param
         self.code = code if code is not None else _CODES.get(status)
+        self.headers = dict(headers or {})
+        if status in (429, 503):
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     def body(self) -> dict[str, Any]:
         return {
@@ -56,6 +65,42 @@ def invalid_request(message: str, param: str | None = None) -> OpenAIError:
 def model_not_found(model: str) -> OpenAIError:
     message = f"The model `{model}` does not exist."
     return OpenAIError(404, message, param="model", code="model_not_found")
+
+
+def invalid_api_key(given: bool) -> OpenAIError:
+    message = (
+        "Incorrect API key provided."
+        if given
+        else "Missing API key: send it as 'Authorization: Bearer <key>'."
+    )
+    return OpenAIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    message = f"The request body is larger than this server's limit of {limit} bytes."
+    return OpenAIError(413, message, code="request_too_large")
+
+
+def unsupported_media_type(content_type: str) -> OpenAIError:
+    """vLLM's answer to a body that is not ``application/json``."""
+    got = f"'{content_type}'" if content_type else "no content type"
+    message = f"Unsupported Media Type: only 'application/json' is allowed, got {got}."
+    return OpenAIError(415, message, code="unsupported_media_type")
+
+
+def overloaded(limit: int) -> OpenAIError:
+    message = f"The server is overloaded ({limit} requests in flight); retry later."
+    return OpenAIError(429, message)
+
+
+def draining() -> OpenAIError:
+    return OpenAIError(503, "The server is draining: it takes no new requests.")
+
+
+def request_timeout(seconds: float) -> OpenAIError:
+    """504, as a proxy answers an upstream that took too long; the generation is aborted."""
+    message = f"The request did not finish within the server's request timeout ({seconds:g} s)."
+    return OpenAIError(504, message, code="timeout")
 
 
 def from_backend(error: BackendError) -> OpenAIError:
@@ -102,8 +147,15 @@ def from_validation(error: RequestValidationError) -> OpenAIError:
     return invalid_request(message, param)
 
 
+class _ErrorJSON(JSONResponse):
+    """ASCII JSON: a message that echoes a lone surrogate from the request still encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return _ErrorJSON(error.body(), status_code=error.status, headers=error.headers)
 
 
 def install_error_handlers(
@@ -123,6 +175,10 @@ def install_error_handlers(
         return respond(request, from_validation(exc))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            return respond(
+                request, invalid_request(f"request body is not valid UTF-8: {exc.__cause__}")
+            )
         return respond(request, OpenAIError(exc.status_code, str(exc.detail)))
 
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:

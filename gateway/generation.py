@@ -3,7 +3,8 @@ choice's state machine, abort what a stop string ended, and account for it in th
 
 A prompt's backend request is aborted when every one of its choices has ended in the gateway
 but the backend has not finished them all (a stop string matched), and whenever the consumer
-goes away early (client disconnect) or the stream fails.
+goes away early (client disconnect), the stream fails, the request runs past its timeout, or a
+drain ends it (``expire``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import anyio
 from engine.tokenizer import Tokenizer
 from gateway.backend import Backend, BackendError, TokenEvent
 from gateway.choices import ChoiceState, ChoiceUpdate
+from gateway.errors import OpenAIError, request_timeout
 from gateway.jobs import Job
 from gateway.logprobs import TokenTexts
 from gateway.metrics import GatewayMetrics
 
 _END = None  # what a pump puts on the queue when its stream is exhausted
+_Item = tuple[int, TokenEvent | BaseException | None]  # (prompt, what its stream gave)
 
 
 @dataclass
@@ -41,7 +44,9 @@ class Generation:
         job: Job,
         metrics: GatewayMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        timeout_s: float | None = None,
     ) -> None:
+        """``timeout_s`` bounds the whole request, from now: submission and every token."""
         self.job = job
         self._backend = backend
         self._metrics = metrics
@@ -66,6 +71,13 @@ class Generation:
         self._last_token_at: dict[int, float] = {}
         self._pumps: list[asyncio.Task[None]] = []
         self._outcome: str | None = None
+        self._timeout_s = timeout_s
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._expired: tuple[OpenAIError, str] | None = None  # (why, outcome) once expired
+
+    @property
+    def closed(self) -> bool:
+        return self._outcome is not None
 
     @property
     def usage(self) -> Usage:
@@ -76,9 +88,18 @@ class Generation:
         )
 
     async def start(self) -> None:
-        """Submit every prompt; if one is refused, abort the others and raise ``BackendError``.
+        """Submit every prompt; if one is refused, abort the others and raise ``BackendError``
+        (or a 504 ``OpenAIError`` when the timeout passes first).
 
         Outcomes are counted from ``updates`` on; a refusal is counted where it is answered."""
+        try:
+            await asyncio.wait_for(self._submit_all(), self._remaining())
+        except asyncio.TimeoutError:
+            raise request_timeout(self._timeout_s or 0) from None
+        if self._metrics is not None:
+            self._metrics.prompt_tokens.inc(self.usage.prompt_tokens)
+
+    async def _submit_all(self) -> None:
         try:
             for i, request in enumerate(self.job.requests):
                 self._open.add(i)  # before submit: a cancelled submit may still have landed
@@ -86,15 +107,31 @@ class Generation:
         except BaseException:
             await self._abort_open()
             raise
-        if self._metrics is not None:
-            self._metrics.prompt_tokens.inc(self.usage.prompt_tokens)
+
+    def _remaining(self) -> float | None:
+        if self._timeout_s is None:
+            return None
+        return max(0.0, self._arrival + self._timeout_s - self._clock())
+
+    def expire(self, error: OpenAIError, outcome: str) -> None:
+        """End the generation with ``error``, counted as ``outcome``; its requests are aborted."""
+        if self._expired is None and not self.closed:
+            self._expired = (error, outcome)
+            self._queue.put_nowait((-1, error))
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Text deltas of every choice until all have finished. Use inside ``aclosing``."""
-        queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]] = asyncio.Queue()
+        queue = self._queue
         self._pumps = [
             asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(self._streams)
         ]
+        remaining = self._remaining()
+        timer = None
+        if remaining is not None:
+            timeout = request_timeout(self._timeout_s or 0)
+            timer = asyncio.get_running_loop().call_later(
+                remaining, self.expire, timeout, "timeout"
+            )
         outcome = "aborted"
         try:
             while self._open:
@@ -113,10 +150,13 @@ class Generation:
                     self._pumps[prompt].cancel()
                     await self._finish_prompt(prompt)
             outcome = "success"
-        except Exception:
-            outcome = "error"
+        except Exception as e:
+            expired = self._expired
+            outcome = expired[1] if expired is not None and e is expired[0] else "error"
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             await self.close(outcome)
 
     async def close(self, outcome: str = "aborted") -> None:
@@ -182,9 +222,7 @@ class Generation:
 
 
 async def _pump(
-    prompt: int,
-    stream: AsyncIterator[TokenEvent],
-    queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]],
+    prompt: int, stream: AsyncIterator[TokenEvent], queue: asyncio.Queue[_Item]
 ) -> None:
     try:
         async for event in stream:

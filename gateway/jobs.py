@@ -12,6 +12,7 @@ from engine.tokenizer import Tokenizer
 from gateway.backend import GenerateRequest, ModelInfo
 from gateway.errors import OpenAIError, invalid_request
 from gateway.openai_models import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
@@ -51,6 +52,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelI
         )
     except (ValueError, TypeError) as e:
         raise invalid_request(str(e), "messages") from e
+    _check_text(text, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(len(ids), req.requested_max_tokens(), None, model, "messages")
@@ -112,14 +114,29 @@ def _prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]
         raise invalid_request("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]  # one prompt given as token ids
+    if len(prompt) > MAX_PROMPTS:
+        message = f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}"
+        raise invalid_request(message, "prompt")
     out = []
     for p in prompt:
+        if isinstance(p, str):
+            _check_text(p, "prompt")
         ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")
         _check_ids(ids, tokenizer, "prompt")
         out.append(ids)
     return out
+
+
+def _check_text(text: str, param: str) -> None:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        surrogate = ord(text[e.start])
+        message = f"{param} is not valid Unicode: it holds a lone surrogate (\\u{surrogate:04x})"
+        raise invalid_request(message, param) from None
 
 
 def _check_ids(ids: list[int], tokenizer: Tokenizer, param: str) -> None:

@@ -20,6 +20,8 @@ from fastapi import FastAPI
 from engine import envs
 from engine.tokenizer import Tokenizer
 from gateway.app import create_app
+from gateway.config import GatewayConfig, add_config_args, config_from_args
+from gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
 from gateway.errors import OpenAIError
 from gateway.zmq_backend import ZmqBackend
 
@@ -87,7 +89,7 @@ class LazyTokenizers(Mapping[str, Tokenizer]):
         return len(self._roots())
 
 
-def gateway_app(backend: ZmqBackend) -> FastAPI:
+def gateway_app(backend: ZmqBackend, config: GatewayConfig | None = None) -> FastAPI:
     """The HTTP app over ``backend``, which starts and stops with the server."""
 
     @contextlib.asynccontextmanager
@@ -98,7 +100,8 @@ def gateway_app(backend: ZmqBackend) -> FastAPI:
         finally:
             await backend.close()
 
-    return create_app(backend, LazyTokenizers(backend.model_roots), lifespan=lifespan)
+    tokenizers = LazyTokenizers(backend.model_roots)
+    return create_app(backend, tokenizers, lifespan=lifespan, config=config)
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +121,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "use an address the workers can reach",
     )
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_config_args(parser)
 
 
 def http_socket(host: str, port: int) -> socket.socket:
@@ -134,7 +138,13 @@ def http_socket(host: str, port: int) -> socket.socket:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (``gateway.drain``) and return 0."""
     logging.getLogger().setLevel(args.log_level.upper())
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     try:
         sock = http_socket(args.host, args.port)
     except OSError as e:
@@ -142,10 +152,13 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    backend = ZmqBackend(args.coordinator, args.stream_bind)
-    config = uvicorn.Config(gateway_app(backend), log_level=args.log_level, lifespan="on")
-    server = uvicorn.Server(config)
-    log.info("gateway at %s/v1, coordinator %s", url, args.coordinator)
+    app = gateway_app(ZmqBackend(args.coordinator, args.stream_bind), config)
+    uvicorn_config = uvicorn.Config(
+        app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
+    server = DrainingServer(uvicorn_config, app.state.admission, config.drain_timeout_s)
+    keys = f", {len(config.api_keys)} API key(s)" if config.api_keys else ", no API key"
+    log.info("gateway at %s/v1, coordinator %s%s", url, args.coordinator, keys)
     print(f"pdserve gateway: {url}", flush=True)
     with sock:
         server.run(sockets=[sock])

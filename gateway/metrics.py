@@ -175,7 +175,8 @@ class GatewayMetrics:
         self.requests = r.add(
             Counter(
                 "pdserve_requests_total",
-                "Requests by outcome: success, aborted, error, rejected (429/503), invalid (4xx).",
+                "Requests by outcome: success, aborted, error, timeout, rejected (429/503), "
+                "invalid (4xx).",
                 ["outcome"],
             )
         )
@@ -184,6 +185,9 @@ class GatewayMetrics:
         )
         self.generation_tokens = r.add(
             Counter("pdserve_generation_tokens_total", "Tokens generated and streamed.")
+        )
+        self.in_flight = r.add(
+            Gauge("pdserve_gateway_requests_in_flight", "Generation requests in this gateway.")
         )
         worker = ["role", "worker"]
         self.kv_used = r.add(Gauge("pdserve_kv_blocks_used", "KV blocks in use.", worker))

@@ -4,6 +4,11 @@ and their conversion to ``SamplingParams`` keyword arguments.
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Known fields that would
 change the output in a way this server cannot honour (tools, logit_bias, echo...) are refused
 with a 400 rather than silently ignored.
+
+Limits: ``n`` <= 16; 256 prompts a request; ``logprobs`` / ``top_logprobs`` <= 20; 4 stop
+strings of at most 256 characters (the stop matcher's work per token grows with their length);
+integers the wire can carry (64-bit); finite numbers; sampling ranges as ``SamplingParams``
+checks them. ``max_tokens`` is bounded by the model's context in ``jobs``.
 """
 
 from __future__ import annotations
@@ -16,12 +21,48 @@ from engine.sampling_params import SamplingParams
 from gateway.errors import OpenAIError, invalid_request
 
 MAX_N = 16
+MAX_PROMPTS = 256  # prompts of one /v1/completions request: each is a backend request
 MAX_LOGPROBS = 20
 MAX_STOP = 4
+MAX_STOP_CHARS = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-200 answer of the API."""
+
+    error: ErrorDetail
+
+
+_ERROR_STATUSES = {
+    400: "Invalid request (including a prompt or max_tokens beyond the model's context)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body too large",
+    415: "Content type is not application/json",
+    429: "Overloaded; see Retry-After",
+    500: "Internal error",
+    503: "Unavailable or draining; see Retry-After",
+    504: "The request timed out (--request-timeout) and was aborted",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in _ERROR_STATUSES.items()
+}
 
 
 class TextPart(_Body):
@@ -45,25 +86,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# Ranges as ``SamplingParams`` checks them, so the OpenAPI schema states them too.
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Unsupported = {"maxItems": 0, "maxProperties": 0, "maxLength": 0}  # schema: only empty values
+
+
 class _SamplingFields(_Body):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=Unsupported)
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
@@ -78,12 +124,12 @@ class _SamplingFields(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=Unsupported)
     response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -115,7 +161,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(None, json_schema_extra=Unsupported)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -5,7 +5,8 @@
     gateway (OpenAI API on --port)
 
 Cores are split between the workers (``--threads`` each) and, with ``--pin``, each worker is
-pinned to its own cores. Ctrl-C or SIGTERM stops every child; if one dies, all stop.
+pinned to its own cores. A role that dies is restarted (it re-registers by itself). Ctrl-C or
+SIGTERM drains: the gateway finishes its streams, then the workers and the coordinator stop.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 FORWARDED_ENGINE_FLAGS = (
@@ -55,6 +58,31 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pin", action="store_true", help="pin each worker to its own cores")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C/SIGTERM, seconds to finish streams in flight",
+    )
+    g.add_argument(
+        "--kv-failure-policy",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="decode workers, when a KV transfer fails: prefill locally, or fail the request",
+    )
+    g.add_argument(
+        "--kv-fault",
+        default=None,
+        metavar="MODE[:RATE[:DELAY_S]]",
+        help="inject KV transfer faults on prefill workers (testing): drop, delay, truncate, "
+        "corrupt",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="times a role that dies is restarted before serve gives up",
+    )
 
 
 def pdserve_command() -> list[str]:
@@ -69,6 +97,7 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores // num_workers)
     common = [
+        f"--drain-timeout={args.drain_timeout}",
         f"--model={model}",
         f"--coordinator={coordinator}",
         f"--threads={threads}",
@@ -90,12 +119,48 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
     commands = []
     for i, role in enumerate(roles):
         cmd = [*pdserve, *role, *common, f"--worker-id={role[0]}-{i}"]
+        if role[0] == "prefill" and args.kv_fault:
+            cmd.append(f"--kv-fault={args.kv_fault}")
+        if role[0] == "decode":
+            cmd.append(f"--kv-failure-policy={args.kv_failure_policy}")
         if args.pin:
             first = (i * threads) % cores
             cpus = ",".join(str((first + k) % cores) for k in range(threads))
             cmd = ["taskset", "-c", cpus, *cmd] if shutil.which("taskset") else cmd
         commands.append(cmd)
     return commands
+
+
+@dataclass
+class Child:
+    """One role process; restarted (same command line) if it dies while serving."""
+
+    role: str
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        # own session: a terminal's Ctrl-C reaches `serve` alone, which stops roles in order;
+        # PDEATHSIG: a role never outlives a `serve` that was killed outright
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float) -> None:
+        if not self.alive():
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            print(
+                f"pdserve serve: {self.role} did not stop in {timeout_s:.0f}s; killing it",
+                file=sys.stderr,
+            )
+            self.proc.kill()
+            self.proc.wait()
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -105,79 +170,101 @@ def run_serve(args: argparse.Namespace) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     address_file = run_dir / "coordinator"
     pdserve = pdserve_command()
-    children: list[subprocess.Popen] = []
-    stopping = False
-
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    coordinator = Child(
+        "coordinator",
+        [*pdserve, "coordinator", "--bind=tcp://127.0.0.1:0", f"--address-file={address_file}"],
+    )
+    workers: list[Child] = []
+    gateway: Child | None = None
     try:
-        children.append(
-            subprocess.Popen(
-                [
-                    *pdserve,
-                    "coordinator",
-                    "--bind=tcp://127.0.0.1:0",
-                    f"--address-file={address_file}",
-                ]
-            )
+        coordinator.start()
+        address = _wait_for_file(address_file, coordinator, 30.0)
+        coordinator.cmd = [*pdserve, "coordinator", f"--bind={address}"]  # a restart rebinds it
+        workers = [Child(_role(cmd), cmd) for cmd in worker_commands(args, address, model)]
+        gateway = Child(
+            "gateway",
+            [
+                *pdserve,
+                "gateway",
+                f"--coordinator={address}",
+                f"--host={args.host}",
+                f"--port={args.port}",
+                f"--drain-timeout={args.drain_timeout}",
+            ],
         )
-        coordinator = _wait_for_file(address_file, children, 30.0)
-        for cmd in worker_commands(args, coordinator, model):
-            children.append(subprocess.Popen(cmd))
-        children.append(
-            subprocess.Popen(
-                [
-                    *pdserve,
-                    "gateway",
-                    f"--coordinator={coordinator}",
-                    f"--host={args.host}",
-                    f"--port={args.port}",
-                ]
-            )
-        )
+        children = [coordinator, *workers, gateway]
+        for child in children[1:]:
+            child.start()
         url = f"http://{args.host}:{args.port}"
-        _wait_healthy(url, children, args.ready_timeout, lambda: stopping)
-        if not stopping:
+        _wait_healthy(url, children, args.ready_timeout, stopping)
+        if not stopping.is_set():
             print(f"pdserve is serving {model} ({args.mode}) at {url}/v1", flush=True)
-        while not stopping:
-            dead = [c for c in children if c.poll() is not None]
-            if dead:
-                print(
-                    f"pdserve serve: {_role(dead[0])} exited ({dead[0].returncode}); stopping",
-                    file=sys.stderr,
-                )
-                return 1
-            time.sleep(0.2)
+        while not stopping.wait(0.2):
+            for child in children:
+                if not child.alive():
+                    _restart(child, args.max_restarts)
         return 0
     except RuntimeError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
     finally:
-        _stop_all(children)
+        # the gateway first: it drains its streams while the workers still serve them
+        if gateway is not None:
+            gateway.stop(args.drain_timeout + 10)
+        for child in workers:
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)
+        for child in workers:
+            child.stop(args.drain_timeout + 10)
+        coordinator.stop(10)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _wait_for_file(path: Path, children: list[subprocess.Popen], timeout: float) -> str:
+def _restart(child: Child, max_restarts: int) -> None:
+    code = child.proc.returncode if child.proc else None
+    if child.restarts >= max_restarts:
+        raise RuntimeError(f"{child.role} exited ({code}) {child.restarts + 1} times; giving up")
+    child.restarts += 1
+    print(
+        f"pdserve serve: {child.role} exited ({code}); restarting it "
+        f"({child.restarts}/{max_restarts})",
+        file=sys.stderr,
+        flush=True,
+    )
+    child.start()
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _wait_for_file(path: Path, child: Child, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
             return path.read_text().strip()
-        if any(c.poll() is not None for c in children):
+        if not child.alive():
             raise RuntimeError("the coordinator exited during start-up")
         time.sleep(0.05)
     raise RuntimeError(f"the coordinator did not start within {timeout:.0f}s")
 
 
-def _wait_healthy(url: str, children, timeout: float, stopping) -> None:
+def _wait_healthy(
+    url: str, children: list[Child], timeout: float, stopping: threading.Event
+) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not stopping():
-        dead = [c for c in children if c.poll() is not None]
+    while time.monotonic() < deadline and not stopping.is_set():
+        dead = [c for c in children if not c.alive()]
         if dead:
-            raise RuntimeError(f"{' '.join(_role(dead[0]))} exited during start-up")
+            raise RuntimeError(f"{dead[0].role} exited during start-up")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
                 if r.status == 200:
@@ -185,23 +272,10 @@ def _wait_healthy(url: str, children, timeout: float, stopping) -> None:
         except OSError:
             pass
         time.sleep(0.2)
-    if not stopping():
+    if not stopping.is_set():
         raise RuntimeError(f"the cluster was not healthy within {timeout:.0f}s")
 
 
-def _stop_all(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    for c in reversed(children):
-        if c.poll() is None:
-            c.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for c in children:
-        try:
-            c.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.kill()
-            c.wait()
-
-
-def _role(child: subprocess.Popen) -> str:
+def _role(cmd: list[str]) -> str:
     roles = ("coordinator", "prefill", "decode", "gateway")
-    return next((a for a in child.args if a in roles), "a child")
+    return next((a for a in cmd if a in roles), "a child")

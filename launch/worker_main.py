@@ -51,6 +51,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument("--worker-id", default=None)
     g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish work in flight before exiting",
+    )
+    g.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients use (default: the model directory's name)",
@@ -130,7 +136,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     def periodic(now: float) -> None:
         # registering again each second lets a restarted coordinator relearn the cluster
         outbox.to_coordinator(register)
-        outbox.to_coordinator(heartbeat(engine, worker_id, worker.queued_prompt_tokens))
+        hb = heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining)
+        outbox.to_coordinator(hb)
 
     log.info(
         "%s worker %s serving %s: control %s",
@@ -141,7 +148,15 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     )
     stop = stop_on_signals()
     try:
-        serve(control, worker.handle, worker.step, periodic, stop)
+        serve(
+            control,
+            worker.handle,
+            worker.step,
+            periodic,
+            stop,
+            drain=worker,
+            drain_timeout_s=args.drain_timeout,
+        )
     finally:
         transport.close()
         outbox.close()

@@ -40,6 +40,7 @@ class PrefillWorker:
         self.sender = sender
         self.worker_id = worker_id
         self.outbox = outbox
+        self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
         self.computing: dict[str, m.PrefillJob] = {}
         self.sending: dict[str, tuple[m.PrefillJob, m.TransferDone]] = {}
@@ -53,6 +54,9 @@ class PrefillWorker:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _start(self, job: m.PrefillJob) -> None:
+        if self.draining:
+            self._fail(job, 503, "worker is draining")
+            return
         key = engine_key(job.request_id, job.choice)
         try:
             params = sampling_params(job.sampling, job.choice)
@@ -150,6 +154,13 @@ class PrefillWorker:
         error = m.RequestError(job.request_id, status, message)
         self.outbox.to_gateway(job.stream_address, error)
         self.outbox.to_coordinator(error)
+
+    def begin_drain(self) -> None:
+        """Finish what is here; new work is turned away (the coordinator stops sending it)."""
+        self.draining = True
+
+    def in_flight(self) -> bool:
+        return bool(self.computing or self.sending)
 
     @property
     def queued_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
@@ -72,6 +73,14 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+class Drain(Protocol):
+    """A role that can finish its work before it exits."""
+
+    def begin_drain(self) -> None: ...
+
+    def in_flight(self) -> bool: ...
+
+
 def serve(
     inbox: zmq.Socket,
     handle: Callable[[Message], None],
@@ -80,12 +89,41 @@ def serve(
     stop: threading.Event,
     period_s: float = 1.0,
     idle_wait_ms: int = 5,
+    drain: Drain | None = None,
+    drain_timeout_s: float = 30.0,
 ) -> None:
     """Until ``stop``: take every waiting message, run one step, and call ``periodic`` about
-    every ``period_s``. Waits for input only when the last step had nothing to do."""
+    every ``period_s``. Waits for input only when the last step had nothing to do.
+
+    With ``drain``, a stop first turns new work away and keeps going until the work in
+    flight is done (or ``drain_timeout_s`` passes)."""
+    _loop(inbox, handle, step, periodic, stop.is_set, period_s, idle_wait_ms)
+    if drain is None:
+        return
+    drain.begin_drain()
+    periodic(time.monotonic())  # tell the coordinator at once
+    deadline = time.monotonic() + drain_timeout_s
+
+    def done() -> bool:
+        return not drain.in_flight() or time.monotonic() > deadline
+
+    _loop(inbox, handle, step, periodic, done, period_s, idle_wait_ms)
+    if drain.in_flight():
+        log.warning("drain timed out after %.0fs with work still in flight", drain_timeout_s)
+
+
+def _loop(
+    inbox: zmq.Socket,
+    handle: Callable[[Message], None],
+    step: Callable[[], bool],
+    periodic: Callable[[float], None],
+    until: Callable[[], bool],
+    period_s: float,
+    idle_wait_ms: int,
+) -> None:
     busy = False
     next_tick = 0.0
-    while not stop.is_set():
+    while not until():
         timeout = 0 if busy else idle_wait_ms
         while inbox.poll(timeout, zmq.POLLIN):
             msg = recv_msg(inbox)

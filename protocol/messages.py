@@ -129,6 +129,7 @@ class Heartbeat(Message):
     running: int
     waiting: int
     queued_prompt_tokens: int
+    draining: bool = False  # finishing what it has, taking nothing new (SIGTERM)
 
 
 # ---- gateways -------------------------------------------------------------------------------
@@ -182,6 +183,9 @@ class Generate(Message):
     sampling: SamplingSpec
     n: int
     stream_address: str  # the gateway's token-stream address
+    # migration: continue one choice whose worker died, after the tokens it already streamed
+    resume_choice: int | None = None
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @message("reserve")
@@ -222,6 +226,8 @@ class PrefillJob(Message):
     transfer_address: str  # the decode worker's KV receiver
     stream_address: str  # token 0 goes straight to the gateway
     choice: int = 0
+    # run here, no transfer (empty dst_block_ids): recompute these tokens, continue after them
+    generated_token_ids: list[int] = field(default_factory=list)
 
 
 @message("transfer_done")
@@ -278,6 +284,8 @@ class RequestError(Message):
     request_id: str
     status: int  # HTTP status the gateway answers with (429, 503, 500, ...)
     message: str
+    choice: int | None = None  # the choice that failed; None: the whole request
+    retryable: bool = False  # its worker died mid-stream: the gateway may resume it elsewhere
 
 
 # ---- KV transfer -----------------------------------------------------------------------------

@@ -144,8 +144,8 @@ class Cluster:
                 heartbeat(w.engine, wid, w.queued_prompt_tokens), time.monotonic()
             )
 
-    def tokens(self, request_id: str, gateway: str = "gw") -> dict[int, list[int]]:
-        """choice -> token ids in index order, checking indices are contiguous."""
+    def tokens(self, request_id: str, gateway: str = "gw", start: int = 0) -> dict[int, list[int]]:
+        """choice -> token ids in index order, checking indices run on from ``start``."""
         chunks: dict[int, list[m.TokenChunk]] = {}
         for msg in self.bus.gateway.get(gateway, []):
             if isinstance(msg, m.TokenChunk) and msg.request_id == request_id:
@@ -155,7 +155,7 @@ class Cluster:
             cs.sort(key=lambda c: c.index)
             tokens: list[int] = []
             for c in cs:
-                assert c.index == len(tokens), (c.index, len(tokens))
+                assert c.index == start + len(tokens), (c.index, start + len(tokens))
                 tokens += c.token_ids
             assert cs[-1].finished and sum(c.finished for c in cs) == 1
             out[choice] = tokens

@@ -1,11 +1,13 @@
-"""Gateway test helpers: a scripted fake backend (a test double standing in for the ZMQ client
-until the real one exists), a real uvicorn server on a free loopback port, and a strict parser
-of the Prometheus text format."""
+"""Gateway test helpers: a scripted fake backend (a test double for the ZMQ client), a fake
+cluster (a test double for the coordinator and its workers, over real ZMQ sockets), a real
+uvicorn server on a free loopback port, and a strict parser of the Prometheus text format."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import math
 import re
 import socket
@@ -13,10 +15,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
+import zmq
 from fastapi import FastAPI
 
+from engine.tokenizer import Tokenizer
+from gateway.admission import AdmissionState
+from gateway.app import create_app
 from gateway.backend import (
     Backend,
     BackendError,
@@ -26,6 +33,11 @@ from gateway.backend import (
     TokenLogprobs,
     WorkerStats,
 )
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from protocol import messages as m
+from protocol.codec import encode
+from protocol.sockets import bound_address, make_socket, recv_msg
 
 
 def fake_logprobs(token_id: int, index: int, k: int, vocab_size: int) -> TokenLogprobs:
@@ -48,6 +60,7 @@ class Script:
     hang_after: int | None = None  # send k events, then nothing until aborted
     reject_status: int | None = None  # refuse the submit with this status
     crash_on_submit: bool = False  # a bug in the backend client, not a refusal
+    hang_on_submit: bool = False  # submit never returns (it can be cancelled)
     vocab_size: int = 2048
 
 
@@ -116,6 +129,8 @@ class FakeBackend(Backend):
         if script.reject_status is not None:
             raise BackendError("no capacity", script.reject_status)
         self.submitted.append(request)
+        if script.hang_on_submit:
+            await asyncio.Event().wait()
         self._abort_events[request.request_id] = asyncio.Event()
         return self._events(request, script)
 
@@ -143,6 +158,93 @@ class FakeBackend(Backend):
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.stats
+
+
+# What FakeCluster sends for one Generate: (role, message), or ("sleep", seconds) to delay the rest.
+ClusterScript = Callable[[m.Generate], list[tuple[str, Any]]]
+
+
+class FakeCluster:
+    """Test double for the coordinator + one prefill and one decode worker: binds the coordinator
+    inbox, answers each ``GatewayHello`` with ``state``, and answers each ``Generate`` with
+    ``respond``'s messages, each from the socket of the role that would send it. Delays are
+    scheduled, so hellos are still answered while a slow stream plays."""
+
+    def __init__(self, respond: ClusterScript) -> None:
+        self.respond = respond
+        self.state: m.ClusterState | None = None  # None: leave hellos unanswered
+        self.hellos: list[m.GatewayHello] = []
+        self.generates: list[m.Generate] = []
+        self.aborts: list[m.Abort] = []
+        self._ctx = zmq.Context()
+        self._inbox = make_socket(self._ctx, zmq.PULL, "tcp://127.0.0.1:0", bind=True)
+        self.address = bound_address(self._inbox)
+        self._senders: dict[tuple[str, str], zmq.Socket] = {}  # (role, address) -> PUSH
+        self._due: list[tuple[float, int, str, str, m.Message]] = []  # heap: (when, seq, ...)
+        self._seq = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            while self._due and self._due[0][0] <= time.monotonic():
+                _, _, role, address, item = heapq.heappop(self._due)
+                self._send(role, address, item)
+            msg = recv_msg(self._inbox, timeout_ms=5)
+            if isinstance(msg, m.GatewayHello):
+                self.hellos.append(msg)
+                if self.state is not None:
+                    self._send("coordinator", msg.stream_address, self.state)
+            elif isinstance(msg, m.Generate):
+                self.generates.append(msg)
+                at = time.monotonic()
+                for role, item in self.respond(msg):
+                    if role == "sleep":
+                        at += item
+                    else:
+                        entry = (at, next(self._seq), role, msg.stream_address, item)
+                        heapq.heappush(self._due, entry)
+            elif isinstance(msg, m.Abort):
+                self.aborts.append(msg)
+
+    def _send(self, role: str, address: str, msg: m.Message) -> None:
+        sock = self._senders.get((role, address))
+        if sock is None:
+            sock = make_socket(self._ctx, zmq.PUSH, address, bind=False)
+            self._senders[(role, address)] = sock
+        sock.send_multipart(encode(msg))
+
+
+def chunk(g: m.Generate, choice: int, index: int, ids: list[int], **kw: Any) -> m.TokenChunk:
+    finish = kw.pop("finish_reason", None)
+    return m.TokenChunk(g.request_id, choice, index, ids, kw.pop("logprobs", None),
+                        finished=finish is not None, finish_reason=finish,
+                        num_prompt_tokens=len(g.prompt_token_ids), num_cached_tokens=0)  # fmt: skip
+
+
+@dataclass
+class Served:
+    url: str
+    backend: FakeBackend
+    metrics: GatewayMetrics
+    admission: AdmissionState  # the app's in-flight count and drain flag
+
+
+@contextlib.contextmanager
+def serving_config(
+    backend: FakeBackend, tokenizers: dict[str, Tokenizer], config: GatewayConfig
+) -> Iterator[Served]:
+    """``create_app`` with ``config`` on a live server (``running_server``)."""
+    metrics = GatewayMetrics()
+    app = create_app(backend, tokenizers, metrics=metrics, config=config)
+    with running_server(app) as url:
+        yield Served(url, backend, metrics, app.state.admission)
 
 
 @contextlib.contextmanager

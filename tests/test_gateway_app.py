@@ -439,6 +439,7 @@ def test_metrics_endpoint(tokenizers: dict[str, Tokenizer]) -> None:
 def test_gateway_does_not_import_torch() -> None:
     modules = ["app", "backend", "choices", "detokenizer", "errors", "generation", "jobs"]
     modules += ["logprobs", "metrics", "openai_models", "stop", "stream"]
+    modules += ["admission", "config", "drain"]
     imports = "; ".join(f"import gateway.{m}" for m in modules)
     code = f"import sys; {imports}; print('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

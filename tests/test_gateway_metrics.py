@@ -73,6 +73,7 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_requests_total": "counter",
         "pdserve_prompt_tokens_total": "counter",
         "pdserve_generation_tokens_total": "counter",
+        "pdserve_gateway_requests_in_flight": "gauge",
         "pdserve_kv_blocks_used": "gauge",
         "pdserve_kv_blocks_total": "gauge",
         "pdserve_requests_running": "gauge",

@@ -106,8 +106,8 @@ def test_sampling_kwargs_carry_every_set_field() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"temperature": -1}, "temperature", "temperature must be >= 0, got -1.0"),
-        ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0"),
+        ({"temperature": -1.0}, "temperature", "temperature must be >= 0, got -1.0"),
+        ({"top_p": 0.0}, "top_p", "top_p must be in (0, 1], got 0.0"),
         (
             {"max_completion_tokens": 0},
             "max_completion_tokens",
@@ -117,7 +117,7 @@ def test_sampling_kwargs_carry_every_set_field() -> None:
     ],
 )
 def test_sampling_errors_name_the_field(fields: dict, param: str, message: str) -> None:
-    req = chat(**fields)
+    req = chat().model_copy(update=fields)  # past the request model's own range checks
     with pytest.raises(OpenAIError) as info:
         sampling_kwargs(req, req.requested_max_tokens() if "max_completion_tokens" in fields else 3)
     assert info.value.body() == {

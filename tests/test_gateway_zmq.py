@@ -1,9 +1,5 @@
-"""The gateway's ZMQ backend over real loopback sockets, behind the real app and uvicorn.
-
-``FakeCluster`` is a test double for the coordinator and its workers: it binds the coordinator
-inbox, answers each ``GatewayHello`` with a ``ClusterState``, and answers each ``Generate`` with
-scripted messages from the socket of the role that would send them.
-"""
+"""The gateway's ZMQ backend over real loopback sockets, behind the real app and uvicorn, with
+``FakeCluster`` (``tests.gateway_util``) as the coordinator and its workers."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +27,13 @@ from fastapi import FastAPI
 
 from engine.tokenizer import Tokenizer
 from gateway.backend import BackendError, GenerateRequest, TokenEvent, TokenLogprobs
+from gateway.config import GatewayConfig
 from gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
 from gateway.zmq_backend import ZmqBackend, sampling_spec, token_event
 from protocol import messages as m
 from protocol.codec import ProtocolError, decode, encode
-from protocol.sockets import bound_address, make_socket, recv_msg
-from tests.gateway_util import parse_prometheus, wait_for
+from protocol.sockets import make_socket
+from tests.gateway_util import ClusterScript, FakeCluster, chunk, parse_prometheus, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["Hello world", "Bye now"]  # choice c generates TEXTS[c % 2], then the eos
@@ -44,64 +41,9 @@ WORKERS = [
     m.WorkerStatus("prefill", "p0", "tiny", used_blocks=3, total_blocks=64, running=1, waiting=2),
     m.WorkerStatus("decode", "d0", "tiny", used_blocks=10, total_blocks=128, running=2, waiting=0),
 ]
-Script = Callable[[m.Generate], list[tuple[str, Any]]]  # (role | "sleep", message | seconds)
 
 
-class FakeCluster:
-    """Test double for the coordinator + one prefill and one decode worker (see module doc)."""
-
-    def __init__(self, respond: Script) -> None:
-        self.respond = respond
-        self.state: m.ClusterState | None = None  # None: leave hellos unanswered
-        self.hellos: list[m.GatewayHello] = []
-        self.generates: list[m.Generate] = []
-        self.aborts: list[m.Abort] = []
-        self._ctx = zmq.Context()
-        self._inbox = make_socket(self._ctx, zmq.PULL, "tcp://127.0.0.1:0", bind=True)
-        self.address = bound_address(self._inbox)
-        self._senders: dict[tuple[str, str], zmq.Socket] = {}  # (role, address) -> PUSH
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._ctx.destroy(linger=0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            msg = recv_msg(self._inbox, timeout_ms=10)
-            if isinstance(msg, m.GatewayHello):
-                self.hellos.append(msg)
-                if self.state is not None:
-                    self._send("coordinator", msg.stream_address, self.state)
-            elif isinstance(msg, m.Generate):
-                self.generates.append(msg)
-                for role, item in self.respond(msg):
-                    if role == "sleep":
-                        time.sleep(item)
-                    else:
-                        self._send(role, msg.stream_address, item)
-            elif isinstance(msg, m.Abort):
-                self.aborts.append(msg)
-
-    def _send(self, role: str, address: str, msg: m.Message) -> None:
-        sock = self._senders.get((role, address))
-        if sock is None:
-            sock = make_socket(self._ctx, zmq.PUSH, address, bind=False)
-            self._senders[(role, address)] = sock
-        sock.send_multipart(encode(msg))
-
-
-def chunk(g: m.Generate, choice: int, index: int, ids: list[int], **kw: Any) -> m.TokenChunk:
-    finish = kw.pop("finish_reason", None)
-    return m.TokenChunk(g.request_id, choice, index, ids, kw.pop("logprobs", None),
-                        finished=finish is not None, finish_reason=finish,
-                        num_prompt_tokens=len(g.prompt_token_ids), num_cached_tokens=0)  # fmt: skip
-
-
-def scripted(outputs: list[list[int]]) -> Script:
+def scripted(outputs: list[list[int]]) -> ClusterScript:
     """Choice c plays ``outputs[c % len]`` (its last id is the eos): the decode worker sends
     tokens 1.. two at a time, then, a little later, the prefill worker sends token 0."""
 
@@ -270,6 +212,7 @@ def test_admission_failure_is_the_http_status(
     assert refused.value.status_code == status
     error = {"message": "no room", "type": kind, "param": None, "code": code}
     assert refused.value.response.json() == {"error": error}
+    assert refused.value.response.headers["retry-after"] == "1"
     # A stream has sent its 200 before the refusal arrives: it becomes an error event.
     body = {"model": "tiny", "prompt": "Hi", "stream": True}
     response = httpx.post(f"{url}/v1/completions", json=body)
@@ -299,6 +242,20 @@ def test_silent_coordinator_fails_waiting_requests(
     rid = cluster.generates[0].request_id
     message = f"no answer from the coordinator for request {rid}"
     assert failed.value.response.json()["error"]["message"] == message
+
+
+def test_request_timeout_aborts_on_the_cluster(
+    cluster: FakeCluster, tiny_dir: Path, tmp_path: Path
+) -> None:
+    cluster.state = state_for(tiny_dir, tmp_path)
+    cluster.respond = lambda g: [("prefill", chunk(g, 0, 0, [100]))]  # then nothing
+    backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=0.5)
+    with serving(gateway_app(backend, GatewayConfig(request_timeout_s=0.5))) as url:
+        assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "timeout"
+    assert cluster.aborts == [m.Abort(cluster.generates[0].request_id, "gateway")]
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -415,7 +372,9 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
     add_gateway_args(parser)
     assert vars(parser.parse_args(["--port", "0"])) == {
         "host": "127.0.0.1", "port": 0, "coordinator": "tcp://10.0.0.5:7000",
-        "stream_bind": "tcp://127.0.0.1:0", "log_level": "info",
+        "stream_bind": "tcp://127.0.0.1:0", "log_level": "info", "request_timeout": 600.0,
+        "max_pending_requests": 1024, "max_body_bytes": 8 * 1024 * 1024, "drain_timeout": 30.0,
+        "api_key": [], "api_key_file": None,
     }  # fmt: skip
     monkeypatch.delenv(COORDINATOR_ENV)
     parser = argparse.ArgumentParser()

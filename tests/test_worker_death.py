@@ -92,3 +92,42 @@ def test_decode_death_mid_stream_ends_with_an_error_and_frees_prefill(tiny_dir) 
         assert cluster.tokens("next") == {0: hf_greedy(tiny_dir, prompt, 8)}
     finally:
         cluster.close()
+
+
+def test_resume_on_another_decode_worker_continues_exactly(tiny_dir) -> None:
+    cluster = make(tiny_dir, 1, 2)
+    try:
+        prompt = prompts(512, [12], seed=44)[0]
+        spec = m.SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True)
+        cluster.submit("r", prompt, spec)
+        while not any(getattr(w, "running", None) for w in cluster.workers.values()):
+            cluster.pump_round()
+        for _ in range(3):
+            cluster.pump_round()
+        [dead] = [wid for wid, w in cluster.workers.items() if getattr(w, "running", None)]
+        kill(cluster, dead)
+        cluster.pump()
+        [error] = cluster.errors()
+        assert (error.choice, error.retryable) == (0, True)
+        # what the gateway does: resume the choice after the tokens it has
+        chunks = sorted(
+            (c for c in cluster.bus.gateway["gw"] if isinstance(c, m.TokenChunk)),
+            key=lambda c: c.index,
+        )
+        so_far = [t for c in chunks for t in c.token_ids]
+        assert 0 < len(so_far) < 40
+        cluster.bus.gateway["gw"].clear()
+        cluster.bus.queue.append(
+            (
+                "coordinator",
+                m.Generate(
+                    "r", "tiny", prompt, spec, 1, "gw", resume_choice=0, resume_token_ids=so_far
+                ),
+            )
+        )
+        cluster.pump()
+        rest = cluster.tokens("r", start=len(so_far))[0]  # no gap in token indices
+        assert so_far + rest == hf_greedy(tiny_dir, prompt, 40)
+        assert set(cluster.used_blocks().values()) == {0}
+    finally:
+        cluster.close()

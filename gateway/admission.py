@@ -1,0 +1,173 @@
+"""What a request must pass before the app sees it, as one ASGI middleware::
+
+    /v1/*                          API key (401)  ->  not draining (503)
+    POST /v1/{chat/,}completions   in-flight slot (429)  ->  JSON content type (415)
+                                   ->  body within the limit (413), read here and replayed
+
+Every refusal is an OpenAI error body; 429 and 503 carry ``Retry-After``. A generation request
+holds its slot until its response (a whole stream) has been sent, so the in-flight count is what
+a graceful drain waits for. ``/health``, ``/metrics`` and ``/openapi.json`` stay open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    OpenAIError,
+    body_too_large,
+    draining,
+    error_response,
+    invalid_api_key,
+    overloaded,
+    unsupported_media_type,
+)
+
+if TYPE_CHECKING:
+    from gateway.generation import Generation
+
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class AdmissionState:
+    """Per app: requests in flight, the drain flag, and the generations a drain may end."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+        self.generations: weakref.WeakSet[Generation] = weakref.WeakSet()
+
+    def expire_all(self, error: OpenAIError) -> int:
+        """End every running generation with ``error`` (an SSE error event, or the status)."""
+        live = [g for g in self.generations if not g.closed]
+        for gen in live:
+            gen.expire(error, "aborted")
+        return len(live)
+
+
+def key_matches(given: bytes, keys: tuple[str, ...]) -> bool:
+    """Constant time in ``given``'s content: every key is compared, none short-circuits."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given, key.encode("utf-8"))
+    return found
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The token of ``Authorization: Bearer <token>``; empty for another scheme, None without
+    the header."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == name), None)
+
+
+class Admission:
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: GatewayConfig,
+        state: AdmissionState,
+        on_reject: Callable[[str, OpenAIError], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.config = config
+        self.state = state
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        error = self._gate(scope) if path == "/v1" or path.startswith("/v1/") else None
+        if error is None and path in GENERATE_PATHS:
+            if self.state.in_flight >= self.config.max_pending_requests:
+                error = overloaded(self.config.max_pending_requests)
+            else:
+                await self._generate(scope, receive, send)
+                return
+        if error is not None:
+            await self._reject(error, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _gate(self, scope: Scope) -> OpenAIError | None:
+        keys = self.config.api_keys
+        if keys:
+            token = bearer_token(scope)
+            if token is None or not key_matches(token, keys):
+                return invalid_api_key(given=token is not None)
+        return draining() if self.state.draining else None
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.state.in_flight += 1
+        try:
+            if scope["method"] != "POST":
+                await self.app(scope, receive, send)  # the router answers 405
+                return
+            body = None
+            error = _content_type_error(_header(scope, b"content-type"))
+            if error is None:
+                body, error = await self._read_body(scope, receive)
+            if error is not None:
+                await self._reject(error, scope, receive, send)
+            elif body is not None:
+                await self.app(scope, _replay(body, receive), send)
+            # else the client left while sending its body: nobody to answer
+        finally:
+            self.state.in_flight -= 1
+
+    async def _read_body(
+        self, scope: Scope, receive: Receive
+    ) -> tuple[bytes | None, OpenAIError | None]:
+        limit = self.config.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None, body_too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None, body_too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+    async def _reject(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope["path"], error)
+        await error_response(error)(scope, receive, send)
+
+
+def _content_type_error(content_type: str | None) -> OpenAIError | None:
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json":
+        return None
+    return unsupported_media_type(content_type or "")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body read here, then the client's own messages (a disconnect, for the app)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Any:
+        return pending.pop() if pending else await receive()
+
+    return replayed

@@ -1,0 +1,111 @@
+"""The gateway's limits and protections, built from the command line (``add_gateway_args``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+API_KEY_ENV = "PDSERVE_API_KEY"  # one more accepted API key
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+DEFAULT_MAX_PENDING_REQUESTS = 1024
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # 0: no limit
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS  # generation requests in flight
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # 0: stop at once on SIGTERM
+    api_keys: tuple[str, ...] = ()  # empty: /v1/* is open
+
+    def __post_init__(self) -> None:
+        if not self.request_timeout_s >= 0:
+            raise ValueError(f"request timeout must be >= 0 s, got {self.request_timeout_s}")
+        if self.max_pending_requests < 1:
+            raise ValueError(f"max pending requests must be >= 1, got {self.max_pending_requests}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max body bytes must be >= 1, got {self.max_body_bytes}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain timeout must be >= 0 s, got {self.drain_timeout_s}")
+        for key in self.api_keys:
+            if not key or any(c.isspace() for c in key) or not key.isprintable():
+                raise ValueError("an API key must be non-empty printable text without spaces")
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.request_timeout_s or None
+
+
+def load_api_keys(
+    keys: Sequence[str], key_file: str | None, env: Mapping[str, str] = os.environ
+) -> tuple[str, ...]:
+    """``--api-key`` values, then the non-blank lines of ``key_file``, then ``$PDSERVE_API_KEY``,
+    without duplicates. A key file that names no key is an error, not an open gateway."""
+    found = [k.strip() for k in keys]
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the API key file {key_file}: {e}") from e
+        from_file = [line.strip() for line in lines if line.strip()]
+        if not from_file:
+            raise ValueError(f"the API key file {key_file} has no key")
+        found += from_file
+    if env.get(API_KEY_ENV, "").strip():
+        found.append(env[API_KEY_ENV].strip())
+    return tuple(dict.fromkeys(found))
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        metavar="SECONDS",
+        help="abort a generation running longer than this; 504, or an SSE error event (0: off)",
+    )
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=DEFAULT_MAX_PENDING_REQUESTS,
+        help="generation requests in flight at this gateway; beyond it, 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted (413 beyond it)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM, refuse new requests and let running ones finish for this long",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; visible in ps: "
+        f"prefer --api-key-file or ${API_KEY_ENV})",
+    )
+    parser.add_argument("--api-key-file", help="a file of API keys, one per line")
+
+
+def config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] = os.environ
+) -> GatewayConfig:
+    """Raises ``ValueError`` with a message for the user."""
+    return GatewayConfig(
+        request_timeout_s=args.request_timeout,
+        max_pending_requests=args.max_pending_requests,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        api_keys=load_api_keys(args.api_key, args.api_key_file, env),
+    )

@@ -1,0 +1,133 @@
+"""Real processes, real signals: kill -9 a decode worker mid-stream, SIGTERM the cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e_util import ServedCluster
+
+
+def pids_of(worker_id: str, parent: int) -> list[int]:
+    """The role processes `pdserve serve` (pid ``parent``) started for ``worker_id``."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
+    return [
+        int(line.split()[0])
+        for line in out.stdout.splitlines()
+        if int(line.split()[1]) == parent and f"--worker-id={worker_id}" in line
+    ]
+
+
+def stream_events(url: str, body: dict, events: list, started: threading.Event) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The small preset: slow enough on CPU that a long stream is still going when killed."""
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("small") / "small", preset="small")
+
+
+def test_decode_worker_killed_mid_stream(small_dir) -> None:
+    c = ServedCluster(small_dir, "--prefill=1", "--decode=2", "--kv-cache-memory=256M")
+    try:
+        body = {
+            "model": c.model_name,
+            "prompt": "a long story",
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events: list[str] = []
+        started = threading.Event()
+        t = threading.Thread(target=stream_events, args=(c.url, body, events, started))
+        t.start()
+        assert started.wait(30)
+        deadline = time.monotonic() + 5
+        busy: list[str] = []
+        while not busy and time.monotonic() < deadline:
+            busy = [w for w, used in c.kv_blocks_used().items() if w.startswith("decode") and used]
+            time.sleep(0.1)
+        assert busy, "no decode worker showed the stream's blocks"
+        killed_at = time.monotonic()
+        [pid] = pids_of(busy[0], c.proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the stream hung"
+        # the stream ended with an error event, then [DONE]
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2])
+        assert time.monotonic() - killed_at < 15
+        # new requests keep succeeding on the rest of the cluster
+        r = httpx.post(
+            f"{c.url}/v1/completions",
+            timeout=30,
+            json={
+                "model": c.model_name,
+                "prompt": "still there?",
+                "max_tokens": 4,
+                "ignore_eos": True,
+            },
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # serve restarts the dead worker: it registers again (its stale figures give way to
+        # the new process's) and takes new work
+        dead = busy[0]
+        deadline = time.monotonic() + 60
+        while c.kv_blocks_used().get(dead) != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.kv_blocks_used().get(dead) == 0.0, "the restarted worker never reported"
+        seen = False
+        short = {**body, "max_tokens": 300}
+        streams = [
+            threading.Thread(target=stream_events, args=(c.url, short, [], threading.Event()))
+            for _ in range(4)
+        ]
+        for s in streams:
+            s.start()
+        while any(s.is_alive() for s in streams):
+            seen = seen or c.kv_blocks_used().get(dead, 0.0) > 0
+            time.sleep(0.1)
+        assert seen, "the restarted worker got no traffic"
+        assert set(c.wait_blocks_free().values()) == {0.0}
+    finally:
+        c.stop()
+
+
+def test_sigterm_drains_streams_in_flight(tiny_dir) -> None:
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=512", "--drain-timeout=30")
+    events: list[str] = []
+    started = threading.Event()
+    body = {
+        "model": c.model_name,
+        "prompt": "finish me",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t = threading.Thread(target=stream_events, args=(c.url, body, events, started))
+    t.start()
+    assert started.wait(30)
+    c.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    output = c.stop()
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 400, output
+    assert c.proc.returncode == 0, output
+    assert not re.search(r"Traceback", output), output

@@ -1,0 +1,228 @@
+"""Gateway protections over real HTTP (uvicorn on loopback, the fake backend, a test double for
+the ZMQ client, behind it): request timeout, in-flight limit, Retry-After, the drain flag."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.tokenizer import Tokenizer
+from gateway.admission import AdmissionState
+from gateway.backend import ModelInfo
+from gateway.config import GatewayConfig
+from gateway.drain import shutdown_error
+from gateway.generation import Generation
+from gateway.jobs import prepare_completion
+from gateway.openai_models import CompletionRequest
+from gateway.stream import stream_events
+from tests.gateway_util import (
+    FakeBackend,
+    Script,
+    Served,
+    parse_prometheus,
+    serving_config,
+    wait_for,
+)
+
+MODELS = [ModelInfo("tiny", "/models/tiny", max_model_len=256)]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"model": "tiny", "prompt": "Hi"}
+
+
+@pytest.fixture(scope="module")
+def tok(model_dirs: dict[str, Path]) -> Tokenizer:
+    return Tokenizer.from_dir(model_dirs["llama"])
+
+
+@pytest.fixture
+def serve(tok: Tokenizer) -> Iterator[Callable[..., Served]]:
+    """``serve(config, script)``: the app on a live server, stopped after the test. The default
+    script answers "ok"."""
+    with contextlib.ExitStack() as stack:
+
+        def start(config: GatewayConfig, script: Script | None = None) -> Served:
+            eos = tok.eos_token_ids[0]
+            backend = FakeBackend(MODELS, script or Script([[*tok.encode("ok", False), eos]]))
+            return stack.enter_context(serving_config(backend, {"tiny": tok}, config))
+
+        yield start
+
+
+Serve = Callable[..., Served]
+
+
+def error(message: str, code: str | None, type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    events = response.text.removesuffix("\n\n").split("\n\n")
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
+
+
+def in_flight(url: str) -> float:
+    families = parse_prometheus(httpx.get(f"{url}/metrics").text)
+    name = "pdserve_gateway_requests_in_flight"
+    return families[name][1][(name, ())]
+
+
+# ---- request timeout ---------------------------------------------------------------------------
+
+TIMEOUT = error(
+    "The request did not finish within the server's request timeout (0.3 s).",
+    "timeout",
+    "server_error",
+)
+
+
+def test_timeout_non_streaming_is_504_and_aborts(serve: Serve) -> None:
+    served = serve(GatewayConfig(request_timeout_s=0.3), Script([[5, 6, 7]], hang_after=1))
+    start = time.monotonic()
+    response = httpx.post(f"{served.url}/v1/completions", json=COMPLETION, timeout=10)
+    elapsed = time.monotonic() - start
+    assert (response.status_code, response.json()) == (504, TIMEOUT)
+    assert 0.3 <= elapsed < 2.0
+    assert served.backend.aborted == [served.backend.submitted[0].request_id]
+    assert served.metrics.requests.value(outcome="timeout") == 1
+    assert served.metrics.requests.value(outcome="error") == 0
+
+
+def test_timeout_streaming_ends_with_an_error_event(serve: Serve, tok: Tokenizer) -> None:
+    served = serve(GatewayConfig(request_timeout_s=0.3), Script([[5, 6, 7]], hang_after=1))
+    body = {**CHAT, "stream": True}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 200
+    events = sse(response)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": tok.decode([5])}
+    assert events[1:] == [TIMEOUT, "[DONE]"]
+    assert served.backend.aborted == [events[0]["id"]]
+    assert served.metrics.requests.value(outcome="timeout") == 1
+
+
+def test_timeout_while_submitting(serve: Serve) -> None:
+    served = serve(GatewayConfig(request_timeout_s=0.3), Script([[1]], hang_on_submit=True))
+    for stream in (False, True):
+        body = {**COMPLETION, "stream": stream}
+        response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=10)
+        assert (response.status_code, response.json()) == (504, TIMEOUT)
+    assert len(served.backend.submitted) == 2
+    assert served.backend.aborted == [r.request_id for r in served.backend.submitted]
+    assert served.metrics.requests.value(outcome="timeout") == 2
+
+
+def test_no_timeout_when_off(serve: Serve) -> None:
+    served = serve(GatewayConfig(request_timeout_s=0), Script([[5, 6, 7]], hang_after=1))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=COMPLETION, timeout=1.0)
+    assert wait_for(lambda: len(served.backend.aborted) == 1)  # by the disconnect
+    assert served.metrics.requests.value(outcome="timeout") == 0
+
+
+# ---- overload and Retry-After ------------------------------------------------------------------
+
+
+def test_in_flight_limit_is_429_with_retry_after(serve: Serve) -> None:
+    served = serve(GatewayConfig(max_pending_requests=2), Script([[5, 6]], hang_after=0))
+    url = served.url
+    body = {**COMPLETION, "stream": True}
+    with (
+        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as first,
+        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as second,
+    ):
+        assert (first.status_code, second.status_code) == (200, 200)
+        assert wait_for(lambda: in_flight(url) == 2)
+        refused = httpx.post(f"{url}/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json() == error(
+            "The server is overloaded (2 requests in flight); retry later.",
+            "rate_limit_exceeded",
+            "rate_limit_error",
+        )
+        assert httpx.get(f"{url}/v1/models").status_code == 200  # only generations count
+        assert httpx.get(f"{url}/health").status_code == 200
+    assert wait_for(lambda: in_flight(url) == 0)
+    assert wait_for(lambda: len(served.backend.aborted) == 2)
+    served.backend.script.hang_after = None
+    assert httpx.post(f"{url}/v1/completions", json=COMPLETION).status_code == 200
+    assert served.metrics.requests.value(outcome="rejected") == 1
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_backend_refusals_carry_retry_after(serve: Serve, status: int) -> None:
+    url = serve(GatewayConfig(), Script([[1]], reject_status=status)).url
+    response = httpx.post(f"{url}/v1/completions", json=COMPLETION)
+    assert response.status_code == status
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["message"] == "no capacity"
+    response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "model": "gpt-9"})
+    assert response.status_code == 404 and "retry-after" not in response.headers
+
+
+# ---- draining (the signal handling is tested with a real process) ------------------------------
+
+
+def test_draining_refuses_new_requests(serve: Serve, tok: Tokenizer) -> None:
+    ids = tok.encode("one two three", add_special_tokens=False)
+    served = serve(GatewayConfig(), Script([ids], hang_after=2))
+    url = served.url
+    body = {**COMPLETION, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as running:
+        lines = running.iter_lines()  # held: a dropped iterator closes the response
+        first = json.loads(next(line for line in lines if line)[6:])
+        served.admission.draining = True
+        response = httpx.post(f"{url}/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        assert response.json() == error(
+            "The server is draining: it takes no new requests.",
+            "service_unavailable",
+            "server_error",
+        )
+        assert httpx.get(f"{url}/v1/models").status_code == 503
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503
+        assert health.json() == error("draining", "draining", "server_error")
+        assert in_flight(url) == 1  # /metrics stays open
+    assert wait_for(lambda: served.backend.aborted == [first["id"]])
+    assert wait_for(lambda: in_flight(url) == 0)
+    assert served.metrics.requests.value(outcome="rejected") == 1
+
+
+def test_expire_all_ends_running_streams(tok: Tokenizer) -> None:
+    ids = tok.encode("one two three", add_special_tokens=False)
+    backend = FakeBackend(MODELS, Script([ids], hang_after=2))
+    request = CompletionRequest.model_validate({**COMPLETION, "stream": True})
+
+    async def main() -> tuple[list[str], int, int]:
+        state = AdmissionState()
+        gen = Generation(backend, tok, prepare_completion(request, tok, MODELS[0]))
+        state.generations.add(gen)
+        await gen.start()
+        stream = stream_events(gen)
+        events = [await anext(stream), await anext(stream)]
+        ended = state.expire_all(shutdown_error())
+        events += [e async for e in stream]
+        return events, ended, state.expire_all(shutdown_error())
+
+    events, ended, again = asyncio.run(main())
+    assert (ended, again) == (1, 0)
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]]
+    assert "".join(texts) == tok.decode(ids[:2])
+    shutdown = error(
+        "The server shut down before the request finished.", "service_unavailable", "server_error"
+    )
+    assert events[2:] == [
+        f"data: {json.dumps(shutdown, separators=(',', ':'))}\n\n",
+        "data: [DONE]\n\n",
+    ]
+    assert backend.aborted == [backend.submitted[0].request_id]
