@@ -120,6 +120,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="where workers send this gateway's tokens (port 0: any free one); "
         "use an address the workers can reach",
     )
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times one choice may resume on another worker after its worker died mid-stream",
+    )
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_config_args(parser)
 
@@ -152,7 +158,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    app = gateway_app(ZmqBackend(args.coordinator, args.stream_bind), config)
+    backend = ZmqBackend(args.coordinator, args.stream_bind, max_migrations=args.max_migrations)
+    app = gateway_app(backend, config)
     uvicorn_config = uvicorn.Config(
         app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )

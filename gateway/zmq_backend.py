@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +47,28 @@ _Item = m.TokenChunk | m.RequestError | BackendError  # what a request's queue h
 class _Pending:
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     answered: bool = False  # something (a chunk or an error) is on its way to the consumer
+
+
+@dataclass
+class _ChoiceStream:
+    """One choice's events, released in token order; duplicates (a resumed choice's worker
+    repeating what a dead one sent, or a late chunk) are dropped."""
+
+    tokens: list[int] = field(default_factory=list)  # passed on so far, in order
+    pending: dict[int, TokenEvent] = field(default_factory=dict)  # ahead of the next index
+    done: bool = False
+
+    def push(self, event: TokenEvent) -> list[TokenEvent]:
+        if self.done or event.index < len(self.tokens):
+            return []
+        self.pending[event.index] = event
+        ready = []
+        while len(self.tokens) in self.pending and not self.done:
+            nxt = self.pending.pop(len(self.tokens))
+            self.tokens += nxt.token_ids
+            self.done = nxt.finish_reason is not None
+            ready.append(nxt)
+        return ready
 
 
 def sampling_spec(kwargs: dict) -> m.SamplingSpec:
@@ -88,6 +111,7 @@ class ZmqBackend(Backend):
         *,
         hello_interval_s: float = 1.0,
         state_timeout_s: float = 3.0,
+        max_migrations: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``stream_bind`` is where workers and the coordinator reach this gateway; ``:0``
@@ -98,6 +122,7 @@ class ZmqBackend(Backend):
         self.stream_address = ""
         self.hello_interval_s = hello_interval_s
         self.state_timeout_s = state_timeout_s
+        self.max_migrations = max_migrations
         self._clock = clock
         self._ctx: zmq.asyncio.Context | None = None
         self._coordinator: zmq.asyncio.Socket | None = None
@@ -169,7 +194,7 @@ class ZmqBackend(Backend):
         if not await self._send(frames):
             del self._pending[rid]
             raise BackendError(f"the coordinator at {self.coordinator_address} is unreachable", 503)
-        return self._events(rid, request.n, pending)
+        return self._events(generate, pending)
 
     async def abort(self, request_id: str) -> None:
         """Always tells the coordinator (the stream may have ended here while the workers still
@@ -208,28 +233,49 @@ class ZmqBackend(Backend):
 
     # ---- internals ---------------------------------------------------------------------------
 
-    async def _events(self, rid: str, n: int, pending: _Pending) -> AsyncIterator[TokenEvent]:
-        received = [0] * n  # tokens seen per choice
-        ends: list[int | None] = [None] * n  # tokens in all, once the finished chunk came
-        unfinished = set(range(n))
+    async def _events(self, request: m.Generate, pending: _Pending) -> AsyncIterator[TokenEvent]:
+        """Each choice's events in token order. A choice whose worker died mid-stream (a
+        retryable error) resumes on another worker after the tokens already passed on, up to
+        ``max_migrations`` times; the stream goes on with no gap or repeat in its indices."""
+        rid, n = request.request_id, request.n
+        streams = [_ChoiceStream() for _ in range(n)]
+        migrations = [0] * n
         try:
-            while unfinished:
+            while not all(st.done for st in streams):
                 item = await pending.queue.get()
                 if isinstance(item, BackendError):
                     raise item
                 if isinstance(item, m.RequestError):
-                    raise BackendError(item.message, item.status)
+                    c = item.choice
+                    if not (
+                        item.retryable
+                        and c is not None
+                        and 0 <= c < n
+                        and migrations[c] < self.max_migrations
+                    ):
+                        raise BackendError(item.message, item.status)
+                    migrations[c] += 1
+                    log.warning(
+                        "request %s choice %d: %s; resuming after %d tokens (%d/%d)",
+                        rid,
+                        c,
+                        item.message,
+                        len(streams[c].tokens),
+                        migrations[c],
+                        self.max_migrations,
+                    )
+                    streams[c].pending.clear()  # the new worker sends these again
+                    resume = dataclasses.replace(
+                        request, resume_choice=c, resume_token_ids=list(streams[c].tokens)
+                    )
+                    if not await self._send(encode(resume)):
+                        raise BackendError(item.message, item.status)
+                    continue
                 event = token_event(item)
-                c = event.choice
-                if not 0 <= c < n:
-                    raise BackendError(f"request {rid}: choice {c} but n={n}", 500)
-                received[c] += len(event.token_ids)
-                if event.finish_reason is not None:
-                    ends[c] = event.index + len(event.token_ids)
-                end = ends[c]
-                if end is not None and received[c] >= end:
-                    unfinished.discard(c)
-                yield event
+                if not 0 <= event.choice < n:
+                    raise BackendError(f"request {rid}: choice {event.choice} but n={n}", 500)
+                for ready in streams[event.choice].push(event):
+                    yield ready
         finally:
             if self._pending.get(rid) is pending:
                 del self._pending[rid]

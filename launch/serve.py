@@ -78,6 +78,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "corrupt",
     )
     g.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times a stream may move to another decode worker when its worker dies",
+    )
+    g.add_argument(
         "--max-restarts",
         type=int,
         default=5,
@@ -193,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"--host={args.host}",
                 f"--port={args.port}",
                 f"--drain-timeout={args.drain_timeout}",
+                f"--max-migrations={args.max_migrations}",
             ],
         )
         children = [coordinator, *workers, gateway]

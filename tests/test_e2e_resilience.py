@@ -42,13 +42,20 @@ def small_dir(tmp_path_factory: pytest.TempPathFactory):
     return make_model(tmp_path_factory.mktemp("small") / "small", preset="small")
 
 
-def test_decode_worker_killed_mid_stream(small_dir) -> None:
-    c = ServedCluster(small_dir, "--prefill=1", "--decode=2", "--kv-cache-memory=256M")
+@pytest.mark.parametrize("migrations", [0, 3], ids=["no-migration", "migration"])
+def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
+    c = ServedCluster(
+        small_dir,
+        "--prefill=1",
+        "--decode=2",
+        "--kv-cache-memory=256M",
+        f"--max-migrations={migrations}",
+    )
     try:
         body = {
             "model": c.model_name,
             "prompt": "a long story",
-            "max_tokens": 3000,
+            "max_tokens": 1500,
             "ignore_eos": True,
             "stream": True,
         }
@@ -68,10 +75,16 @@ def test_decode_worker_killed_mid_stream(small_dir) -> None:
         os.kill(pid, signal.SIGKILL)
         t.join(30)
         assert not t.is_alive(), "the stream hung"
-        # the stream ended with an error event, then [DONE]
         assert events[-1] == "[DONE]"
-        assert "error" in json.loads(events[-2])
-        assert time.monotonic() - killed_at < 15
+        if migrations:
+            # the stream moved to the other decode worker and went on to the end
+            last = json.loads(events[-2])
+            assert last["choices"][0]["finish_reason"] == "length", last
+            assert not any("error" in json.loads(e) for e in events[:-1])
+        else:
+            # the stream ended with an error event, then [DONE]
+            assert "error" in json.loads(events[-2])
+            assert time.monotonic() - killed_at < 15
         # new requests keep succeeding on the rest of the cluster
         r = httpx.post(
             f"{c.url}/v1/completions",

@@ -49,7 +49,7 @@ def test_recompute_policy_finishes_exactly(tiny_dir, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", sorted(FAULTS))
 def test_fail_policy_ends_with_an_error(tiny_dir, mode: str) -> None:
-    cluster, batch = run(tiny_dir, FAULTS[mode], "fail")
+    cluster, _ = run(tiny_dir, FAULTS[mode], "fail")
     try:
         assert {e.request_id for e in cluster.errors()} == {"r0", "r1"}
         assert all(e.status == 500 and "KV transfer failed" in e.message for e in cluster.errors())
