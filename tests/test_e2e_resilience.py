@@ -144,3 +144,74 @@ def test_sigterm_drains_streams_in_flight(tiny_dir) -> None:
     assert usage["completion_tokens"] == 400, output
     assert c.proc.returncode == 0, output
     assert not re.search(r"Traceback", output), output
+
+
+def test_200_clients_giving_up_then_a_request_completes(tiny_dir) -> None:
+    """The field's standard check: 200 streams abandoned after 0.5 s, then service as usual."""
+    import asyncio
+
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=2048")
+    try:
+        body = {
+            "model": c.model_name,
+            "prompt": "give up on me",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+        async def impatient(client: httpx.AsyncClient) -> None:
+            try:
+                async with asyncio.timeout(0.5):
+                    async with client.stream("POST", f"{c.url}/v1/completions", json=body) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+            except TimeoutError:
+                pass
+
+        async def crowd() -> None:
+            limits = httpx.Limits(max_connections=250)
+            async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+                await asyncio.gather(*(impatient(client) for _ in range(200)))
+
+        asyncio.run(crowd())
+        start = time.monotonic()
+        r = httpx.post(
+            f"{c.url}/v1/completions",
+            timeout=30,
+            json={"model": c.model_name, "prompt": "and now?", "max_tokens": 8, "ignore_eos": True},
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert time.monotonic() - start < 5.0
+        assert set(c.wait_blocks_free(timeout=10).values()) == {0.0}
+    finally:
+        c.stop()
+
+
+def test_coordinator_restart_is_transparent(tiny_dir) -> None:
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=256")
+    try:
+        [(pid, _)] = [p for p in _children(c.proc.pid) if " coordinator " in p[1]]
+        os.kill(pid, signal.SIGKILL)
+        # serve restarts it on the same address; workers and the gateway find it again
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline and status != 200:
+            try:
+                status = httpx.post(
+                    f"{c.url}/v1/completions",
+                    timeout=10,
+                    json={"model": c.model_name, "prompt": "hello again", "max_tokens": 4},
+                ).status_code
+            except httpx.HTTPError:
+                status = None
+            time.sleep(0.5)
+        assert status == 200, c.stop()
+    finally:
+        c.stop()
+
+
+def _children(parent: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()]
+    return [(int(pid), args) for pid, ppid, args in rows if int(ppid) == parent]
