@@ -1,7 +1,8 @@
 """Attention over the paged cache with ``torch.nn.functional.scaled_dot_product_attention``.
 
 Works on CPU and CUDA. Prefill chunks attend one sequence at a time (causal, offset by the
-tokens already cached); all single-token decode rows go through one padded SDPA call.
+tokens already cached); single-token decode rows go through one padded SDPA call per group of
+similar context lengths.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.device = device
         self._meta: AttentionMetadata | None = None
         self._prefills: list[_PrefillItem] = []
-        self._decode: _DecodeGroup | None = None
+        self._decode: list[_DecodeGroup] = []
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
@@ -69,18 +70,30 @@ class TorchAttentionBackend(AttentionBackend):
                 blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
                 self._prefills.append(_PrefillItem(start, start + q_len, blocks, seq_len, mask))
             start += q_len
-        self._decode = None
-        if decode_rows:
-            max_blocks = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-            lens = torch.tensor(decode_lens, device=self.device)
-            key_pos = torch.arange(max_blocks * bs, device=self.device)
-            self._decode = _DecodeGroup(
-                rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-                blocks=torch.tensor(padded, dtype=torch.long, device=self.device),
-                mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
-                max_len=max_blocks * bs,
+        order = sorted(range(len(decode_rows)), key=lambda i: len(decode_tables[i]))
+        self._decode = [
+            self._decode_group(
+                [decode_rows[i] for i in group],
+                [decode_tables[i] for i in group],
+                [decode_lens[i] for i in group],
+                bs,
             )
+            for group in _buckets(order, [len(t) for t in decode_tables])
+        ]
+
+    def _decode_group(
+        self, rows: list[int], tables: list[list[int]], lens: list[int], bs: int
+    ) -> _DecodeGroup:
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        key_pos = torch.arange(max_blocks * bs, device=self.device)
+        seq_lens = torch.tensor(lens, device=self.device)
+        return _DecodeGroup(
+            rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+            blocks=torch.tensor(padded, dtype=torch.long, device=self.device),
+            mask=(key_pos[None, :] < seq_lens[:, None])[:, None, None, :],
+            max_len=max_blocks * bs,
+        )
 
     def forward(
         self,
@@ -107,8 +120,7 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[item.start : item.end] = o[0].transpose(0, 1)
-        group = self._decode
-        if group is not None:
+        for group in self._decode:
             nb = group.blocks.shape[0]
             kv = kv_cache[group.blocks]  # [Bd, max_blocks, 2, bs, KV, D]
             kv = kv.transpose(1, 2).reshape(nb, 2, group.max_len, *kv_cache.shape[3:])
@@ -120,6 +132,18 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[group.rows] = o[:, :, 0]
         return out
+
+
+def _buckets(order: list[int], num_blocks: list[int]) -> list[list[int]]:
+    """Split rows (sorted by length) into groups padded to at most 2x their shortest row, so
+    one long context does not make every short one gather and attend over its length."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and num_blocks[i] <= 2 * num_blocks[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _gather(
