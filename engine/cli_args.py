@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -49,6 +52,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         threads=args.threads,
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -197,6 +197,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     threads: int | None = None
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -37,6 +37,13 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
         self.backend = make_backend(config.attention_backend, self.device)
+        self.graphs = None  # CUDA only: captured decode steps (engine/cuda_graphs.py)
+        if self.device.type == "cuda":
+            from engine.cuda_graphs import maybe_capture
+
+            self.graphs = maybe_capture(
+                self.model, self.kv_cache.layers, self.backend, model_config, config, max_model_len
+            )
         logger.info(
             "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB), backend %s",
             config.model,
@@ -96,7 +103,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model over the step's tokens; logits [len(sample_seqs), V] float32."""
-        self.backend.plan(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, self.backend)
+        if self.graphs is not None and self.graphs.can_run(inputs.metadata):
+            hidden = self.graphs.run(inputs)
+        else:
+            self.backend.plan(inputs.metadata)
+            layers = self.kv_cache.layers
+            hidden = self.model(inputs.input_ids, inputs.positions, layers, self.backend)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     import torch
 
 # backend -> (sender, receiver) as "module.Class"; "host" is the design's name for host memory
-# over ZMQ. GPU backends ("nccl", "cuda_ipc") slot in here with the same two classes.
+# over ZMQ. The GPU backends raise TransferError with engine.platform's reason where unusable.
 _ZMQ = ("zmq_backend.ZmqKVSender", "zmq_backend.ZmqKVReceiver")
 _BACKENDS = {
     "zmq": _ZMQ,
     "host": _ZMQ,
     "ucx": ("ucx_backend.UcxKVSender", "ucx_receiver.UcxKVReceiver"),
+    "cuda_ipc": ("cuda_ipc_backend.CudaIpcKVSender", "cuda_ipc_backend.CudaIpcKVReceiver"),
+    "nccl": ("nccl_backend.NcclKVSender", "nccl_backend.NcclKVReceiver"),
 }
 
 
@@ -50,8 +52,8 @@ def make_sender(backend: str, *, checksum: bool = False, **options: Any) -> KVSe
 def make_receiver(
     backend: str, kv_layers: list[torch.Tensor], bind: str | None = None, **options: Any
 ) -> KVReceiver:
-    """A receiver writing into ``kv_layers``; ``bind`` in the backend's address form
-    (zmq: ``tcp://127.0.0.1:0`` or ``ipc://...``; ucx: ``ucx://127.0.0.1:0``), default loopback
-    on a free port."""
+    """A receiver writing into ``kv_layers``; ``bind`` in the backend's address form (zmq, and
+    the control endpoint of cuda_ipc and nccl: ``tcp://127.0.0.1:0`` or ``ipc://...``; ucx:
+    ``ucx://127.0.0.1:0``), default loopback on a free port."""
     cls = _classes(backend)[1]
     return cls(kv_layers, **options) if bind is None else cls(kv_layers, bind, **options)

@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtransfer import backends as transfer_backends
+
 FORWARDED_ENGINE_FLAGS = (
     "dtype",
     "device",
@@ -54,7 +56,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--transfer-backend", default="zmq", choices=["zmq", "host", "ucx"])
+    g.add_argument("--transfer-backend", default="zmq", choices=transfer_backends())
     g.add_argument("--pin", action="store_true", help="pin each worker to its own cores")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds")
@@ -117,6 +119,8 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
             common.append(f"--{flag.replace('_', '-')}={value}")
     if args.no_prefix_caching:
         common.append("--no-prefix-caching")
+    if args.enforce_eager:
+        common.append("--enforce-eager")
     pdserve = pdserve_command()
     if args.mode == "colocated":
         roles = [["decode", "--colocated"]] * num_workers

@@ -15,6 +15,7 @@ import zmq
 
 from engine import envs
 from engine.cli_args import add_engine_args, engine_config_from_args
+from kvtransfer import backends as transfer_backends
 from protocol import messages as m
 from protocol.loop import PushOutbox, serve, stop_on_signals
 from protocol.sockets import bound_address, make_socket
@@ -40,7 +41,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="host other nodes reach this worker at (default: the bound one)",
     )
-    g.add_argument("--transfer-backend", default="zmq", choices=["zmq", "host", "ucx"])
+    g.add_argument("--transfer-backend", default="zmq", choices=transfer_backends())
     g.add_argument("--transfer-bind", default=None, help="KV receiver address (decode)")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
     g.add_argument(

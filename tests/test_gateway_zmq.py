@@ -372,7 +372,8 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
     add_gateway_args(parser)
     assert vars(parser.parse_args(["--port", "0"])) == {
         "host": "127.0.0.1", "port": 0, "coordinator": "tcp://10.0.0.5:7000",
-        "stream_bind": "tcp://127.0.0.1:0", "log_level": "info", "request_timeout": 600.0,
+        "stream_bind": "tcp://127.0.0.1:0", "log_level": "info", "max_migrations": 3,
+        "request_timeout": 600.0,
         "max_pending_requests": 1024, "max_body_bytes": 8 * 1024 * 1024, "drain_timeout": 30.0,
         "api_key": [], "api_key_file": None,
     }  # fmt: skip

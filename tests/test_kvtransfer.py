@@ -297,9 +297,11 @@ def test_transfer_spec_and_factory_errors() -> None:
     with pytest.raises(ValueError, match=r"^transfer 'r1': no blocks to send$"):
         TransferSpec("r1", [], [], "tcp://x:1")
     with pytest.raises(ValueError) as info:
-        make_sender("nccl")
-    assert str(info.value) == "unknown KV transfer backend 'nccl'; available: host, ucx, zmq"
-    assert backends() == ["host", "ucx", "zmq"]
+        make_sender("rdma")
+    assert str(info.value) == (
+        "unknown KV transfer backend 'rdma'; available: cuda_ipc, host, nccl, ucx, zmq"
+    )
+    assert backends() == ["cuda_ipc", "host", "nccl", "ucx", "zmq"]
     with make_sender("host") as sender:
         assert type(sender).__name__ == "ZmqKVSender"
 

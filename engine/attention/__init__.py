@@ -6,12 +6,28 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import ConfigError
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "make_backend"]
+
+BACKENDS = ("auto", "torch", "flashinfer")
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` takes flashinfer on CUDA when it imports, else the torch backend."""
-    if name in ("auto", "torch"):
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
+    from engine.platform import flashinfer_status
+
+    usable, reason = flashinfer_status()
+    if device.type != "cuda":
+        usable, reason = False, f"device is {device}, flashinfer needs a CUDA device; {reason}"
+    if usable:
+        from engine.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device)
+    if name == "flashinfer":
+        raise ConfigError(f"attention backend 'flashinfer' is unusable here: {reason}")
+    return TorchAttentionBackend(device)

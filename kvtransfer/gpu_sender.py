@@ -1,0 +1,263 @@
+"""The sender half that ``cuda_ipc`` and ``nccl`` share; the receiver half is in
+``gpu_receiver``, the control messages in ``gpu_wire``.
+
+Per transfer, on the sender's own thread::
+
+    send(): record an event on the caller's stream (the KV is written up to here) ─▶ queue
+    thread: handshake with the receiver once ─▶ Begin ⇄ BeginReply(ok) ─▶ GPU work on a side
+            stream after that event, then a done event ─▶ done event completes ─▶ DONE, and
+            Done(rid, layers, checksum) to the receiver
+
+Sender DONE means the bytes are in the receiver's blocks (stronger than the host backends').
+Each backend supplies ``status``, ``_connect`` (the handshake) and ``_issue`` (the GPU work).
+Not run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from kvtransfer import common
+from kvtransfer import gpu_wire as w
+from kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, TransferSpec
+from kvtransfer.faults import FaultDice, FaultPlan
+from protocol.codec import ProtocolError
+from protocol.sockets import make_socket
+
+log = logging.getLogger("kvtransfer.gpu")
+
+ROUND_TRIP_S = 10.0  # longest wait for one control reply (capped by the transfer's deadline)
+_IDLE_POLL_MS, _BUSY_POLL_MS = 50, 1
+_FAILURES = (TransferError, OSError, zmq.ZMQError, ProtocolError, RuntimeError, ValueError)
+
+
+def round_trip(sock: zmq.Socket, msg: Any, want: type, deadline: float, key: str = "") -> Any:
+    """Send ``msg``, return the first ``want`` reply (for request ``key`` when it has one);
+    ``TransferError`` on ``Refused`` or at the deadline. Stale replies are skipped."""
+    sock.send(w.encode(msg))
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            break
+        reply = w.decode(sock.recv())
+        if isinstance(reply, w.Refused):
+            raise TransferError(f"receiver refused: {reply.reason}")
+        if isinstance(reply, want) and getattr(reply, "request_id", key) == key:
+            return reply
+    raise TransferError(f"no {want.__name__} from the receiver in time")
+
+
+@dataclass
+class Peer:
+    """A sender's connection to one receiver; ``data``: the backend's opened state."""
+
+    address: str
+    sock: zmq.Socket
+    session: str
+    data: Any = None
+
+
+@dataclass
+class Job:
+    spec: TransferSpec
+    layers: list[torch.Tensor]
+    layout: KVLayout
+    ready: Any  # torch.cuda.Event
+    fault: str | None = None
+    not_before: float = 0.0
+
+
+@dataclass
+class Flight:
+    peer: Peer
+    event: Any  # torch.cuda.Event: query() is True once the bytes landed
+    layers: int
+    checksum: bytes | None
+    keep: Any = None  # staging buffers alive until the event completes
+
+
+class GpuKVSender(common.TableBacked, KVSender):
+    backend = "gpu"
+
+    def __init__(
+        self,
+        *,
+        checksum: bool = False,
+        fault: FaultPlan | None = None,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        w.require(self.status(), self.backend)
+        self.checksum = checksum
+        self._digest = w.DeviceChecksum()
+        self._dice = FaultDice(fault) if fault is not None else None
+        self._ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self._table = common.TransferTable(f"{self.backend} sender")
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._peers: dict[str, Peer] = {}  # sender thread only
+        self._flights: dict[str, Flight] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        name = f"kv-{self.backend}-sender"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- what a backend provides -----------------------------------------------------------
+    @staticmethod
+    def status() -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def _connect(self, address: str, job: Job, deadline: float) -> Peer:
+        """Handshake with a new receiver (Hello → handles / communicator)."""
+        raise NotImplementedError
+
+    def _issue(self, peer: Peer, job: Job, stream: torch.cuda.Stream) -> Flight:
+        """Enqueue the transfer's GPU work on ``stream`` (already after ``job.ready``)."""
+        raise NotImplementedError
+
+    # ---- caller side -------------------------------------------------------------------------
+    def send(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> None:
+        if self._stop.is_set():
+            raise TransferError(f"{self.backend} sender is closed")
+        layout = self._check_layers(kv_layers)
+        common.check_block_ids(spec.src_block_ids, kv_layers[0].shape[0], spec.request_id)
+        ready = self._ready_event(kv_layers[0].device)
+        self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
+        job = Job(spec, kv_layers, layout, ready)
+        if self._dice is not None and self._dice.hit():
+            job.fault = self._dice.plan.mode
+            if job.fault == "delay":
+                job.not_before = time.monotonic() + self._dice.plan.delay_s
+        self._jobs.put(job)
+        self._wake_w.send(b"\0")
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake_w.send(b"\0")
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    # ---- sender thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        waiting: list[Job] = []
+        try:
+            while not self._stop.is_set():
+                busy = bool(waiting or self._flights)
+                select.select(
+                    [self._wake_r], [], [], (_BUSY_POLL_MS if busy else _IDLE_POLL_MS) / 1e3
+                )
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                while True:
+                    try:
+                        waiting.append(self._jobs.get_nowait())
+                    except queue.Empty:
+                        break
+                now = time.monotonic()
+                for job in [j for j in waiting if j.not_before <= now]:
+                    waiting.remove(job)
+                    self._start(job)
+                self._land()
+                self._table.expire()
+        finally:
+            for peer in self._peers.values():
+                peer.sock.close(linger=0)
+
+    def _start(self, job: Job) -> None:
+        rid = job.spec.request_id
+        entry = self._table.get(rid)
+        if entry is None or entry.state.finished:
+            return  # released or timed out before it left
+        if job.fault == "drop":
+            log.warning("injected fault: dropping transfer %r", rid)
+            self._table.advance(rid, KVPoll.DONE)
+            return
+        deadline = min(entry.deadline, time.monotonic() + ROUND_TRIP_S)
+        address = job.spec.address
+        try:
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = self._connect(address, job, deadline)
+            begin = w.Begin(rid, list(job.spec.dst_block_ids))
+            reply = round_trip(peer.sock, begin, w.BeginReply, deadline, key=rid)
+            if reply.session != peer.session:
+                self._drop_peer(address)
+                raise TransferError("the receiver restarted; its handles are stale")
+            if not reply.ok:
+                raise TransferError(f"receiver declined: {reply.reason}")
+            self._flights[rid] = self._launch(peer, job)
+        except _FAILURES as exc:
+            if isinstance(exc, (zmq.ZMQError, ProtocolError)):
+                self._drop_peer(address)
+            self._table.advance(rid, KVPoll.FAILED, f"{address}: {exc}")
+            return
+        self._table.advance(rid, KVPoll.TRANSFERRING)
+
+    def _land(self) -> None:
+        for rid, flight in list(self._flights.items()):
+            if not flight.event.query():
+                continue
+            del self._flights[rid]
+            self._table.advance(rid, KVPoll.DONE)
+            try:
+                flight.peer.sock.send(w.encode(w.Done(rid, flight.layers, flight.checksum)))
+            except zmq.ZMQError as exc:
+                log.warning(
+                    "%s sender: cannot notify %s: %s", self.backend, flight.peer.address, exc
+                )
+
+    def _launch(self, peer: Peer, job: Job) -> Flight:
+        stream = self._stream(job.layers[0].device)
+        stream.wait_event(job.ready)
+        with torch.cuda.stream(stream):
+            return self._issue(peer, job, stream)
+
+    def _check_layers(self, kv_layers: list[torch.Tensor]) -> KVLayout:
+        return w.check_device_layers(kv_layers)
+
+    def _ready_event(self, device: torch.device) -> Any:
+        """An event after everything the caller's stream has queued (the KV to send)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _drop_peer(self, address: str) -> None:
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            peer.sock.close(linger=0)
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        return make_socket(self._ctx, zmq.DEALER, address, bind=False)
+
+    def _source_digest(self, job: Job) -> bytes | None:
+        """Checksum of the source blocks (on the current, side, stream; blocks this thread)."""
+        return self._digest(job.layers, job.spec.src_block_ids) if self.checksum else None
+
+
+def sender_hello(backend: str, job: Job) -> w.Hello:
+    return w.Hello(backend, job.layout, os.getpid(), w.gpu_uuid(job.layers[0].device))
