@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import KVLayout, KVPoll, TransferError
+from kvtransfer.base import DEFAULT_TIMEOUT_S, KVLayout, KVPoll, TransferError
 from protocol.messages import KVHeader
 
 log = logging.getLogger("kvtransfer")
@@ -246,3 +246,15 @@ class TableBacked:
 
     def release(self, request_id: str) -> None:
         self._table.pop(request_id)
+
+
+class TableBackedReceiver(TableBacked):
+    """A receiver's ``expect`` over its table (``_num_blocks``: the local cache's block count)."""
+
+    _num_blocks: int
+
+    def expect(
+        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        check_block_ids(dst_block_ids, self._num_blocks, request_id)
+        self._table.add(request_id, timeout_s, dst_block_ids)

@@ -26,7 +26,6 @@ import zmq
 from kvtransfer import common
 from kvtransfer import gpu_wire as w
 from kvtransfer.base import (
-    DEFAULT_TIMEOUT_S,
     KVLayout,
     KVPoll,
     KVReceiver,
@@ -52,7 +51,7 @@ class Incoming:
     keep: Any = None
 
 
-class GpuKVReceiver(common.TableBacked, KVReceiver):
+class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
     backend = "gpu"
     wait_on_release = False  # cuda_ipc: a granted copy writes our blocks from another process
 
@@ -111,12 +110,6 @@ class GpuKVReceiver(common.TableBacked, KVReceiver):
     @property
     def address(self) -> str:
         return self._address
-
-    def expect(
-        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
-        common.check_block_ids(dst_block_ids, self._num_blocks, request_id)
-        self._table.add(request_id, timeout_s, dst_block_ids)
 
     def release(self, request_id: str) -> None:
         if self.wait_on_release:

@@ -54,7 +54,7 @@ class _Incoming:
         return self.staged is None or self.problem is not None
 
 
-class UcxKVReceiver(common.TableBacked, KVReceiver):
+class UcxKVReceiver(common.TableBackedReceiver, KVReceiver):
     def __init__(
         self,
         kv_layers: list[torch.Tensor],
@@ -82,12 +82,6 @@ class UcxKVReceiver(common.TableBacked, KVReceiver):
     @property
     def address(self) -> str:
         return self._address
-
-    def expect(
-        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
-        common.check_block_ids(dst_block_ids, self._num_blocks, request_id)
-        self._table.add(request_id, timeout_s, dst_block_ids)
 
     def close(self) -> None:
         if self._stop.is_set():

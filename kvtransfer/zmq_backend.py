@@ -26,7 +26,6 @@ import zmq
 
 from kvtransfer import common
 from kvtransfer.base import (
-    DEFAULT_TIMEOUT_S,
     KVPoll,
     KVReceiver,
     KVSender,
@@ -190,7 +189,7 @@ def _faulty(job: _Job, layers: list[memoryview]) -> list:
     return layers
 
 
-class ZmqKVReceiver(common.TableBacked, KVReceiver):
+class ZmqKVReceiver(common.TableBackedReceiver, KVReceiver):
     def __init__(
         self,
         kv_layers: list[torch.Tensor],
@@ -217,12 +216,6 @@ class ZmqKVReceiver(common.TableBacked, KVReceiver):
     @property
     def address(self) -> str:
         return self._address
-
-    def expect(
-        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
-        common.check_block_ids(dst_block_ids, self._num_blocks, request_id)
-        self._table.add(request_id, timeout_s, dst_block_ids)
 
     def close(self) -> None:
         if self._stop.is_set():
