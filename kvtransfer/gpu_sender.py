@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import select
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +28,8 @@ import zmq
 from kvtransfer import common
 from kvtransfer import gpu_wire as w
 from kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, TransferSpec
-from kvtransfer.faults import FaultDice, FaultPlan
+from kvtransfer.faults import FaultPlan
+from kvtransfer.queued import QueuedSender
 from protocol.codec import ProtocolError
 from protocol.sockets import make_socket
 
@@ -86,7 +84,7 @@ class Flight:
     keep: Any = None  # staging buffers alive until the event completes
 
 
-class GpuKVSender(common.TableBacked, KVSender):
+class GpuKVSender(QueuedSender, common.TableBacked, KVSender):
     backend = "gpu"
 
     def __init__(
@@ -99,20 +97,11 @@ class GpuKVSender(common.TableBacked, KVSender):
         w.require(self.status(), self.backend)
         self.checksum = checksum
         self._digest = w.DeviceChecksum()
-        self._dice = FaultDice(fault) if fault is not None else None
-        self._ctx = ctx or zmq.Context()
-        self._own_ctx = ctx is None
         self._table = common.TransferTable(f"{self.backend} sender")
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._peers: dict[str, Peer] = {}  # sender thread only
         self._flights: dict[str, Flight] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._stop = threading.Event()
-        name = f"kv-{self.backend}-sender"
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._start_thread(f"kv-{self.backend}-sender", self._run, ctx, fault)
 
     # ---- what a backend provides -----------------------------------------------------------
     @staticmethod
@@ -135,24 +124,7 @@ class GpuKVSender(common.TableBacked, KVSender):
         common.check_block_ids(spec.src_block_ids, kv_layers[0].shape[0], spec.request_id)
         ready = self._ready_event(kv_layers[0].device)
         self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
-        job = Job(spec, kv_layers, layout, ready)
-        if self._dice is not None and self._dice.hit():
-            job.fault = self._dice.plan.mode
-            if job.fault == "delay":
-                job.not_before = time.monotonic() + self._dice.plan.delay_s
-        self._jobs.put(job)
-        self._wake_w.send(b"\0")
-
-    def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake_w.send(b"\0")
-        self._thread.join()
-        self._wake_r.close()
-        self._wake_w.close()
-        if self._own_ctx:
-            self._ctx.term()
+        self._enqueue(Job(spec, kv_layers, layout, ready))
 
     # ---- sender thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -163,16 +135,8 @@ class GpuKVSender(common.TableBacked, KVSender):
                 select.select(
                     [self._wake_r], [], [], (_BUSY_POLL_MS if busy else _IDLE_POLL_MS) / 1e3
                 )
-                try:
-                    while self._wake_r.recv(4096):
-                        pass
-                except BlockingIOError:
-                    pass
-                while True:
-                    try:
-                        waiting.append(self._jobs.get_nowait())
-                    except queue.Empty:
-                        break
+                self._drain_wakeups()
+                waiting += self._take_jobs()
                 now = time.monotonic()
                 for job in [j for j in waiting if j.not_before <= now]:
                     waiting.remove(job)

@@ -15,8 +15,6 @@ request, then scatters straight from zmq's frames.
 from __future__ import annotations
 
 import logging
-import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ from kvtransfer.base import (
     TransferError,
     TransferSpec,
 )
-from kvtransfer.faults import FaultDice, FaultPlan
+from kvtransfer.faults import FaultPlan
+from kvtransfer.queued import QueuedSender
 from protocol.messages import KVHeader, ProtocolError, decode, encode
 from protocol.sockets import bound_address, make_socket
 
@@ -52,7 +51,7 @@ class _Job:
     not_before: float = 0.0  # monotonic time it may leave (delay fault)
 
 
-class ZmqKVSender(common.TableBacked, KVSender):
+class ZmqKVSender(QueuedSender, common.TableBacked, KVSender):
     def __init__(
         self,
         *,
@@ -61,16 +60,8 @@ class ZmqKVSender(common.TableBacked, KVSender):
         fault: FaultPlan | None = None,
     ) -> None:
         self.checksum = checksum
-        self._dice = FaultDice(fault) if fault is not None else None
-        self._ctx = ctx or zmq.Context()
-        self._own_ctx = ctx is None
         self._table = common.TransferTable("zmq sender")
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-zmq-sender", daemon=True)
-        self._thread.start()
+        self._start_thread("kv-zmq-sender", self._run, ctx, fault)
 
     def send(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> None:
         if self._stop.is_set():
@@ -79,24 +70,7 @@ class ZmqKVSender(common.TableBacked, KVSender):
         common.check_block_ids(spec.src_block_ids, kv_layers[0].shape[0], spec.request_id)
         staged = common.gather(kv_layers, spec.src_block_ids)
         self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
-        job = _Job(spec, staged)
-        if self._dice is not None and self._dice.hit():
-            job.fault = self._dice.plan.mode
-            if job.fault == "delay":
-                job.not_before = time.monotonic() + self._dice.plan.delay_s
-        self._jobs.put(job)
-        self._wake_w.send(b"\0")
-
-    def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake_w.send(b"\0")
-        self._thread.join()
-        self._wake_r.close()
-        self._wake_w.close()
-        if self._own_ctx:
-            self._ctx.term()
+        self._enqueue(_Job(spec, staged))
 
     def _header(self, spec: TransferSpec, staged: list[torch.Tensor]) -> KVHeader:
         """The header for one transfer (tests override it to corrupt a checksum)."""
@@ -127,21 +101,6 @@ class ZmqKVSender(common.TableBacked, KVSender):
         finally:
             for sock in sockets.values():
                 sock.close(linger=0)
-
-    def _take_jobs(self) -> list[_Job]:
-        jobs = []
-        while True:
-            try:
-                jobs.append(self._jobs.get_nowait())
-            except queue.Empty:
-                return jobs
-
-    def _drain_wakeups(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _push(self, job: _Job, sockets: dict, trackers: dict) -> bool:
         """Hand one job to zmq; False to retry it later (no connection yet, queue full)."""
