@@ -73,3 +73,21 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir: Path):
+    """The tiny model's tokenizer (torch-free)."""
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture
+def serve(tok):
+    """``serve(config, script)``: the gateway app over a test double backend, live, stopped
+    after the test (tests/gateway_util.py)."""
+    from tests.gateway_util import serve_fake
+
+    with serve_fake(tok) as start:
+        yield start

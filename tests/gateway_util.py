@@ -338,3 +338,29 @@ def _check_histogram(name: str, samples: dict) -> None:
         assert counts == sorted(counts), "buckets must be cumulative"
         assert samples[(name + "_count", rest)] == counts[-1]
         assert (name + "_sum", rest) in samples
+
+
+# ---- shared by the gateway hardening tests ---------------------------------------------------
+
+MODELS = [ModelInfo("tiny", "/models/tiny", max_model_len=256)]
+COMPLETION = {"model": "tiny", "prompt": "Hi"}
+Serve = Callable[..., Served]
+
+
+def error(message: str, code: str | None, type: str = "invalid_request_error") -> dict[str, Any]:
+    """The OpenAI error body the gateway answers with."""
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+@contextlib.contextmanager
+def serve_fake(tok: Tokenizer) -> Iterator[Serve]:
+    """``start(config, script)``: the app over a FakeBackend on a live server, stopped on exit.
+    The default script answers "ok"."""
+    with contextlib.ExitStack() as stack:
+
+        def start(config: GatewayConfig, script: Script | None = None) -> Served:
+            eos = tok.eos_token_ids[0]
+            backend = FakeBackend(MODELS, script or Script([[*tok.encode("ok", False), eos]]))
+            return stack.enter_context(serving_config(backend, {"tiny": tok}, config))
+
+        yield start

@@ -4,11 +4,8 @@ the ZMQ client, behind it): request timeout, in-flight limit, Retry-After, the d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +13,6 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionState
-from gateway.backend import ModelInfo
 from gateway.config import GatewayConfig
 from gateway.drain import shutdown_error
 from gateway.generation import Generation
@@ -24,43 +20,17 @@ from gateway.jobs import prepare_completion
 from gateway.openai_models import CompletionRequest
 from gateway.stream import stream_events
 from tests.gateway_util import (
+    COMPLETION,
+    MODELS,
     FakeBackend,
     Script,
-    Served,
+    Serve,
+    error,
     parse_prometheus,
-    serving_config,
     wait_for,
 )
 
-MODELS = [ModelInfo("tiny", "/models/tiny", max_model_len=256)]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
-COMPLETION = {"model": "tiny", "prompt": "Hi"}
-
-
-@pytest.fixture(scope="module")
-def tok(model_dirs: dict[str, Path]) -> Tokenizer:
-    return Tokenizer.from_dir(model_dirs["llama"])
-
-
-@pytest.fixture
-def serve(tok: Tokenizer) -> Iterator[Callable[..., Served]]:
-    """``serve(config, script)``: the app on a live server, stopped after the test. The default
-    script answers "ok"."""
-    with contextlib.ExitStack() as stack:
-
-        def start(config: GatewayConfig, script: Script | None = None) -> Served:
-            eos = tok.eos_token_ids[0]
-            backend = FakeBackend(MODELS, script or Script([[*tok.encode("ok", False), eos]]))
-            return stack.enter_context(serving_config(backend, {"tiny": tok}, config))
-
-        yield start
-
-
-Serve = Callable[..., Served]
-
-
-def error(message: str, code: str | None, type: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
 
 
 def sse(response: httpx.Response) -> list[Any]:

@@ -5,53 +5,19 @@ from."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
 from gateway.admission import key_matches
-from gateway.backend import ModelInfo
 from gateway.config import API_KEY_ENV, GatewayConfig, add_config_args, config_from_args
 from gateway.main import add_gateway_args, run_gateway
-from tests.gateway_util import FakeBackend, Script, Served, serving_config
-
-MODELS = [ModelInfo("tiny", "/models/tiny", max_model_len=256)]
-COMPLETION = {"model": "tiny", "prompt": "Hi"}
-
-
-@pytest.fixture(scope="module")
-def tok(model_dirs: dict[str, Path]) -> Tokenizer:
-    return Tokenizer.from_dir(model_dirs["llama"])
-
-
-@pytest.fixture
-def serve(tok: Tokenizer) -> Iterator[Callable[..., Served]]:
-    """``serve(config, script)``: the app on a live server, stopped after the test. The default
-    script answers "ok"."""
-    with contextlib.ExitStack() as stack:
-
-        def start(config: GatewayConfig, script: Script | None = None) -> Served:
-            eos = tok.eos_token_ids[0]
-            backend = FakeBackend(MODELS, script or Script([[*tok.encode("ok", False), eos]]))
-            return stack.enter_context(serving_config(backend, {"tiny": tok}, config))
-
-        yield start
-
-
-Serve = Callable[..., Served]
-
-
-def error(message: str, code: str | None, type: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
-
+from tests.gateway_util import COMPLETION, Serve, error
 
 # ---- API keys ----------------------------------------------------------------------------------
 

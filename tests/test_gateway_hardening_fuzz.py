@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,11 +22,6 @@ from gateway.backend import ModelInfo
 from tests.gateway_util import FakeBackend, Script, running_server
 
 MAX_EXAMPLES = 60  # per operation and generation mode
-
-
-@pytest.fixture(scope="module")
-def tok(model_dirs: dict[str, Path]) -> Tokenizer:
-    return Tokenizer.from_dir(model_dirs["llama"])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,11 +19,6 @@ from tests.gateway_util import FakeBackend, Script, running_server
 MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=64)
 USER = [{"role": "user", "content": "Hi"}]
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def tok(model_dirs: dict[str, Path]) -> Tokenizer:
-    return Tokenizer.from_dir(model_dirs["llama"])
 
 
 @pytest.fixture(scope="module")

@@ -87,11 +87,6 @@ def serving(app: FastAPI) -> Iterator[str]:
         sock.close()
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_dir)
-
-
 @pytest.fixture
 def outputs(tok: Tokenizer) -> list[list[int]]:
     eos = tok.eos_token_ids[0]
