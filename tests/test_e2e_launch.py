@@ -81,6 +81,6 @@ def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs) -> None:
     r = httpx.post(f"{url}/v1/completions", json={"model": "gamma", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     # every role's command line names it, so operators can find and signal it
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     for role in ("coordinator", "prefill", "decode", "gateway"):
         assert f"pdserve {role}" in ps
