@@ -208,6 +208,7 @@ class Coordinator:
         self.routes[(req.request_id, choice)] = Route(
             req, choice, "local", decode=worker.worker_id, prefill=worker.worker_id
         )
+        self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, choice))
         self._send(
             worker.worker_id,
             m.PrefillJob(
@@ -239,6 +240,7 @@ class Coordinator:
             self._fail(key, 503, f"model {req.model} has no prefill worker")
             return
         route.state, route.prefill = "prefilling", prefill.worker_id
+        self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, msg.choice))
         route.job = m.PrefillJob(
             req.request_id,
             req.prompt_token_ids,

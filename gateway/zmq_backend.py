@@ -3,7 +3,13 @@ back from the workers::
 
     gateway PUSH ── Generate, Abort, GatewayHello (every hello_interval_s) ──▶ coordinator inbox
     gateway PULL (stream_address) ◀── TokenChunk: prefill worker (index 0), decode worker (1..)
-                                  ◀── RequestError (coordinator or a worker), ClusterState
+                                  ◀── Accepted, ClusterState (coordinator)
+                                  ◀── RequestError (coordinator or a worker)
+
+``submit`` returns once the coordinator has accepted every choice (decode blocks reserved,
+prefill job sent: milliseconds, however long the prefill queue) or raises its refusal, so a
+refused request, streamed or not, is answered with its own status (503 and ``Retry-After``
+when no decode worker has room), never a 200 followed by an error event.
 
 Each request in flight has a queue; the receive loop routes its chunks and errors there and drops
 anything else (malformed frames, chunks of requests already over or aborted). A request's stream
@@ -40,12 +46,13 @@ from protocol.sockets import bound_address, make_socket
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
-_Item = m.TokenChunk | m.RequestError | BackendError  # what a request's queue holds
+_Item = m.TokenChunk | m.RequestError | m.Accepted | BackendError  # on a request's queue
 
 
 @dataclass
 class _Pending:
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    early: list[_Item] = field(default_factory=list)  # what came before acceptance did
     answered: bool = False  # something (a chunk or an error) is on its way to the consumer
 
 
@@ -194,6 +201,12 @@ class ZmqBackend(Backend):
         if not await self._send(frames):
             del self._pending[rid]
             raise BackendError(f"the coordinator at {self.coordinator_address} is unreachable", 503)
+        try:
+            await _until_accepted(generate, pending)
+        except BaseException:
+            if self._pending.get(rid) is pending:
+                del self._pending[rid]
+            raise
         return self._events(generate, pending)
 
     async def abort(self, request_id: str) -> None:
@@ -242,7 +255,9 @@ class ZmqBackend(Backend):
         migrations = [0] * n
         try:
             while not all(st.done for st in streams):
-                item = await pending.queue.get()
+                item = pending.early.pop(0) if pending.early else await pending.queue.get()
+                if isinstance(item, m.Accepted):
+                    continue  # a choice placed again after its worker was lost
                 if isinstance(item, BackendError):
                     raise item
                 if isinstance(item, m.RequestError):
@@ -304,7 +319,7 @@ class ZmqBackend(Backend):
     def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.ClusterState):
             self._state, self._state_at = msg, self._clock()
-        elif isinstance(msg, (m.TokenChunk, m.RequestError)):
+        elif isinstance(msg, (m.TokenChunk, m.RequestError, m.Accepted)):
             pending = self._pending.get(msg.request_id)
             if pending is None:  # over, aborted, or never ours
                 return
@@ -334,6 +349,23 @@ class ZmqBackend(Backend):
     def _fresh(self) -> bool:
         at = self._state_at
         return at is not None and self._clock() - at <= self.state_timeout_s
+
+
+async def _until_accepted(request: m.Generate, pending: _Pending) -> None:
+    """Wait for every choice's ``Accepted``; raise a refusal as ``BackendError``. A token or a
+    worker failure arriving first means the request was taken: it is kept for the stream."""
+    accepted: set[int] = set()
+    while len(accepted) < request.n:
+        item = await pending.queue.get()
+        if isinstance(item, m.Accepted):
+            accepted.add(item.choice)
+        elif isinstance(item, BackendError):
+            raise item
+        elif isinstance(item, m.RequestError) and not item.retryable:
+            raise BackendError(item.message, item.status)
+        else:
+            pending.early.append(item)
+            return
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

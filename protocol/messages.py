@@ -6,6 +6,7 @@ Who sends what::
     gateway     ── Generate, Abort ──────────────────────────────▶ coordinator
     coordinator ── Reserve ─▶ decode ── Reserved ────────────────▶ coordinator
     coordinator ── PrefillJob ─▶ prefill ── TransferDone ─▶ coordinator ─▶ decode
+    coordinator ── Accepted (a choice has its workers), RequestError ─▶ gateway
     coordinator ── Abort ────────────────────────────────────────▶ prefill, decode
     prefill (token 0), decode (1..n) ── TokenChunk ──────────────▶ gateway
     prefill, decode ── Finished (one choice is over here) ───────▶ coordinator
@@ -28,6 +29,7 @@ from protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, enc
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Accepted",
     "ClusterState",
     "Finished",
     "GatewayHello",
@@ -258,6 +260,17 @@ class TokenChunk(Message):
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int
     num_cached_tokens: int
+
+
+@message("accepted")
+@dataclass(frozen=True)
+class Accepted(Message):
+    """Coordinator → gateway: one choice has its workers (decode blocks reserved, the prefill
+    job sent). Until then the request may still be refused (``RequestError``), and the HTTP
+    response, streamed or not, has not begun."""
+
+    request_id: str
+    choice: int
 
 
 @message("finished")

@@ -208,12 +208,29 @@ def test_admission_failure_is_the_http_status(
     error = {"message": "no room", "type": kind, "param": None, "code": code}
     assert refused.value.response.json() == {"error": error}
     assert refused.value.response.headers["retry-after"] == "1"
-    # A stream has sent its 200 before the refusal arrives: it becomes an error event.
+    # A stream's headers wait for its first token, so its refusal has the same status.
+    body = {"model": "tiny", "prompt": "Hi", "stream": True}
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert (response.status_code, response.json()) == (status, {"error": error})
+    assert response.headers["retry-after"] == "1"
+
+
+def test_stream_error_after_first_token_is_an_event(url: str, cluster: FakeCluster) -> None:
+    cluster.respond = lambda g: [
+        ("coordinator", m.Accepted(g.request_id, 0)),
+        ("prefill", chunk(g, 0, 0, [100])),
+        ("sleep", 0.2),
+        ("coordinator", m.RequestError(g.request_id, 503, "decode worker d0 died")),
+    ]
     body = {"model": "tiny", "prompt": "Hi", "stream": True}
     response = httpx.post(f"{url}/v1/completions", json=body)
     assert response.status_code == 200
-    event = json.dumps({"error": error}, separators=(",", ":"))
-    assert response.text == f"data: {event}\n\ndata: [DONE]\n\n"
+    events = [e for e in response.text.split("\n\n") if e]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["index"] == 0
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["message"] == (
+        "decode worker d0 died"
+    )
+    assert events[-1] == "data: [DONE]"
 
 
 def test_error_after_first_token(url: str, client: openai.OpenAI, cluster: FakeCluster) -> None:
@@ -389,3 +406,36 @@ def test_gateway_modules_do_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_stream_headers_go_out_once_accepted(url: str, cluster: FakeCluster) -> None:
+    """Acceptance, not the first token, lets the 200 out: a long prefill queue is no wait for
+    headers, while every choice must be accepted before it."""
+    cluster.respond = lambda g: [
+        ("coordinator", m.Accepted(g.request_id, 0)),
+        ("coordinator", m.Accepted(g.request_id, 1)),
+        ("sleep", 1.5),
+        ("prefill", chunk(g, 0, 0, [100], finish_reason="length")),
+        ("prefill", chunk(g, 1, 0, [101], finish_reason="length")),
+    ]
+    body = {"model": "tiny", "prompt": "Hi", "stream": True, "n": 2, "max_tokens": 1}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as response:
+        headers_after = time.monotonic() - start
+        assert response.status_code == 200
+        text = response.read().decode()
+    assert headers_after < 1.0 < time.monotonic() - start
+    assert text.endswith("data: [DONE]\n\n") and text.count('"finish_reason":"length"') == 2
+
+
+def test_refusal_of_a_later_choice_refuses_the_request(url: str, cluster: FakeCluster) -> None:
+    cluster.respond = lambda g: [
+        ("coordinator", m.Accepted(g.request_id, 0)),
+        ("coordinator", m.RequestError(g.request_id, 503, "no room for choice 1", 1)),
+    ]
+    body = {"model": "tiny", "prompt": "Hi", "stream": True, "n": 2}
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert wait_for(
+        lambda: [a.request_id for a in cluster.aborts] == [cluster.generates[0].request_id]
+    )

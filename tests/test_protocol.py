@@ -18,6 +18,7 @@ from protocol.codec import registered
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
+    Accepted,
     ClusterState,
     Finished,
     GatewayHello,
@@ -66,6 +67,7 @@ SAMPLES = [
     Abort("r1", "client disconnected"),
     RequestError("r1", 503, "no decode worker"),
     Finished("r1", 1, "d0"),
+    Accepted("r1", 1),
     GatewayHello("tcp://127.0.0.1:5557"),
     ClusterState(
         [ServedModel("tiny", "/models/tiny", 2048, True)],
