@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,12 @@ class KVSender(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget a transfer (in any state); unknown ids are ignored."""
+
+    @abstractmethod
+    def notify(self, callback: Callable[[str, KVPoll], None] | None) -> None:
+        """Call ``callback(request_id, state)`` the moment a transfer finishes (DONE or
+        FAILED), from whichever thread saw it (usually the sender's), so its owner can act
+        before its next ``poll`` (a prefill worker is deaf for a whole prompt's step)."""
 
     @abstractmethod
     def close(self) -> None:

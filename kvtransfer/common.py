@@ -182,6 +182,7 @@ class TransferTable:
         self.clock = clock
         self.lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
+        self.on_finished: Callable[[str, KVPoll], None] | None = None  # see KVSender.notify
 
     def add(self, request_id: str, timeout_s: float, block_ids: Sequence[int]) -> None:
         if timeout_s <= 0:
@@ -216,6 +217,12 @@ class TransferTable:
             entry.state, entry.reason = state, reason
         if state is KVPoll.FAILED:
             log.warning("%s: transfer %r failed: %s", self.side, request_id, reason)
+        callback = self.on_finished
+        if state.finished and callback is not None:
+            try:
+                callback(request_id, state)
+            except Exception:  # the owner's bug must not stop the backend's thread
+                log.exception("%s: on_finished(%r) failed", self.side, request_id)
         return True
 
     def expire(self) -> list[str]:
@@ -246,6 +253,9 @@ class TableBacked:
 
     def release(self, request_id: str) -> None:
         self._table.pop(request_id)
+
+    def notify(self, callback: Callable[[str, KVPoll], None] | None) -> None:
+        self._table.on_finished = callback
 
 
 class TableBackedReceiver(TableBacked):

@@ -11,13 +11,18 @@ Lifecycle of one choice (``key = request_id#choice``), each in exactly one dict:
                         final chunk to the gateway, Finished to the coordinator, no transfer
 
 Token 0 goes to the gateway the moment it is sampled (that is the TTFT), before the KV moves.
-``PrefillWorker`` has no sockets: ``handle`` takes a message, ``step`` runs one engine step.
+``TransferDone`` goes to the coordinator the moment the sender finishes, from the sender's
+thread (``KVSender.notify``): the next step may be a long prompt, and the decode worker must
+not wait for it to end. The blocks are released by the worker's own thread, after its step.
+``PrefillWorker`` has no sockets: ``handle`` takes a message, ``step`` runs one engine step;
+its outbox must accept messages from the sender's thread too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 from engine.engine import LLMEngine, RequestOutput
 from engine.wire import Outbox, engine_key, sampling_params, wire_logprobs
@@ -44,6 +49,9 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.computing: dict[str, m.PrefillJob] = {}
         self.sending: dict[str, tuple[m.PrefillJob, m.TransferDone]] = {}
+        self._reported: set[str] = set()  # sending keys whose TransferDone has gone out
+        self._report_lock = threading.Lock()  # the sender's thread reports too
+        sender.notify(self._report)
 
     def handle(self, msg: m.Message) -> None:
         if isinstance(msg, m.PrefillJob):
@@ -76,7 +84,9 @@ class PrefillWorker:
                 job = _job(value)
                 if job.request_id != request_id or choice not in (None, job.choice):
                     continue
-                del table[key]
+                with self._report_lock:
+                    del table[key]
+                    self._reported.discard(key)
                 self.engine.abort(key)  # frees held blocks too
                 self.sender.release(key)
 
@@ -127,27 +137,40 @@ class PrefillWorker:
         spec = TransferSpec(
             key, src, job.dst_block_ids[: len(src)], job.transfer_address, self.transfer_timeout_s
         )
+        self.sending[key] = (job, done)  # first: the sender may finish before send returns
         try:
             self.sender.send(spec, self.engine.runner.kv_cache.layers)
         except Exception as e:  # any transport failure fails this transfer only
+            with self._report_lock:
+                del self.sending[key]
+                self._reported.discard(key)
             self.engine.release(key)
             error = f"KV transfer could not start: {e}"
             self.outbox.to_coordinator(dataclasses.replace(done, error=error))
-            return
-        self.sending[key] = (job, done)
+
+    def _report(self, key: str, state: KVPoll) -> None:
+        """Send ``TransferDone`` for a finished transfer, once, from whichever thread sees it
+        first. A failed push still hands token 0 over: the decode worker's policy decides."""
+        with self._report_lock:
+            entry = self.sending.get(key)
+            if entry is None or key in self._reported:
+                return
+            self._reported.add(key)
+        reason = self.sender.failure_reason(key)
+        error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"
+        self.outbox.to_coordinator(dataclasses.replace(entry[1], error=error))
 
     def _poll_transfers(self) -> None:
-        for key, (_job, done) in list(self.sending.items()):
+        for key in list(self.sending):
             state = self.sender.poll(key)
             if not state.finished:
                 continue
-            del self.sending[key]
-            reason = self.sender.failure_reason(key)
+            self._report(key, state)  # unless the sender's thread did already
+            with self._report_lock:
+                del self.sending[key]
+                self._reported.discard(key)
             self.sender.release(key)
             self.engine.release(key)
-            # a failed push still hands token 0 over: the decode worker's policy decides
-            error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"
-            self.outbox.to_coordinator(dataclasses.replace(done, error=error))
 
     def _fail(self, job: m.PrefillJob, status: int, message: str) -> None:
         logger.warning("request %s#%d failed: %s", job.request_id, job.choice, message)

@@ -22,22 +22,26 @@ log = logging.getLogger(__name__)
 
 
 class PushOutbox:
-    """One connected PUSH socket per destination address, made on first use."""
+    """One connected PUSH socket per destination address, made on first use. Any thread may
+    send: a lock hands the sockets from one to the next (a KV sender's thread reports a
+    finished transfer while the worker's thread is inside a long step)."""
 
     def __init__(self, ctx: zmq.Context, coordinator_address: str | None = None) -> None:
         self.ctx = ctx
         self.coordinator_address = coordinator_address
         self._socks: dict[str, zmq.Socket] = {}
+        self._lock = threading.Lock()
 
     def send(self, address: str, msg: Message) -> None:
-        sock = self._socks.get(address)
-        if sock is None:
-            sock = make_socket(self.ctx, zmq.PUSH, address, bind=False, linger_ms=1000)
-            self._socks[address] = sock
-        try:
-            send_msg(sock, msg, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropped %s to %s: its queue is full", type(msg).__name__, address)
+        with self._lock:
+            sock = self._socks.get(address)
+            if sock is None:
+                sock = make_socket(self.ctx, zmq.PUSH, address, bind=False, linger_ms=1000)
+                self._socks[address] = sock
+            try:
+                send_msg(sock, msg, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("dropped %s to %s: its queue is full", type(msg).__name__, address)
 
     def to_coordinator(self, msg: Message) -> None:
         if self.coordinator_address is None:
@@ -51,14 +55,16 @@ class PushOutbox:
         self.send(address, msg)
 
     def forget(self, address: str) -> None:
-        sock = self._socks.pop(address, None)
-        if sock is not None:
-            sock.close(linger=0)
+        with self._lock:
+            sock = self._socks.pop(address, None)
+            if sock is not None:
+                sock.close(linger=0)
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close()
-        self._socks.clear()
+        with self._lock:
+            for sock in self._socks.values():
+                sock.close()
+            self._socks.clear()
 
 
 def stop_on_signals() -> threading.Event:

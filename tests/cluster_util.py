@@ -161,6 +161,14 @@ class Cluster:
             out[choice] = tokens
         return out
 
+    def tokens_sent(self, request_id: str, gateway: str = "gw") -> int:
+        """How many tokens of ``request_id`` reached the gateway so far (any order)."""
+        return sum(
+            len(x.token_ids)
+            for x in self.bus.gateway.get(gateway, [])
+            if isinstance(x, m.TokenChunk) and x.request_id == request_id
+        )
+
     def errors(self, gateway: str = "gw") -> list[m.RequestError]:
         return [x for x in self.bus.gateway.get(gateway, []) if isinstance(x, m.RequestError)]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from protocol import messages as m
@@ -81,6 +83,29 @@ def test_first_token_finishing_releases_the_reservation(cluster_factory) -> None
     cluster.pump()
     assert len(cluster.tokens("r")[0]) == 1
     assert set(cluster.used_blocks().values()) == {0}
+
+
+def test_transfer_done_does_not_wait_for_the_next_prefill_step(cluster_factory, tiny_dir) -> None:
+    """The sender's thread reports a finished push: the prefill worker's next step may be a
+    long prompt, and the decode worker must not wait for it to end."""
+    cluster = cluster_factory()
+    prefill = cluster.workers["p0"]
+    polls = prefill._poll_transfers
+    prefill._poll_transfers = lambda: None  # the worker is inside a step that never ends
+    prompt = prompts(512, [20], seed=6)[0]
+    cluster.submit("r", prompt, GREEDY)
+    while not cluster.tokens_sent("r"):  # until token 0 is out and the push started
+        cluster.pump_round()
+    assert prefill.sending
+    deadline = time.monotonic() + 10
+    while not any(isinstance(msg, m.TransferDone) for _, msg in cluster.bus.queue):
+        assert time.monotonic() < deadline, "no TransferDone without a prefill step"
+        time.sleep(0.01)
+    prefill._poll_transfers = polls
+    cluster.pump()
+    assert cluster.tokens("r") == {0: hf_greedy(tiny_dir, prompt, 10)}
+    assert set(cluster.used_blocks().values()) == {0}
+    assert not prefill.sending and not prefill._reported
 
 
 def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
