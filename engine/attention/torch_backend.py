@@ -2,11 +2,13 @@
 
 Works on CPU and CUDA. Prefill chunks attend one sequence at a time (causal, offset by the
 tokens already cached); single-token decode rows go through one padded SDPA call per group of
-similar context lengths.
+similar context lengths, their K and V gathered into buffers kept from step to step (a fresh
+multi-megabyte tensor per layer per step cost more in page faults than the copy itself).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +34,31 @@ class _DecodeGroup:
     max_len: int
 
 
+class _Workspace:
+    """Flat buffers reused across layers and steps, grown to the largest request up to
+    ``max_bytes`` (beyond it a request gets a one-off tensor)."""
+
+    def __init__(self, device: torch.device, max_bytes: int = 256 << 20) -> None:
+        self.device = device
+        self.max_bytes = max_bytes
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        if n * dtype.itemsize > self.max_bytes:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._bufs.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[(name, dtype)] = torch.empty(n, dtype=dtype, device=self.device)
+        return buf[:n].view(shape)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._work = _Workspace(device)
         self._meta: AttentionMetadata | None = None
         self._prefills: list[_PrefillItem] = []
         self._decode: list[_DecodeGroup] = []
@@ -120,12 +142,17 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[item.start : item.end] = o[0].transpose(0, 1)
+        _, _, bs, heads, dim = kv_cache.shape
         for group in self._decode:
-            nb = group.blocks.shape[0]
-            kv = kv_cache[group.blocks]  # [Bd, max_blocks, 2, bs, KV, D]
-            kv = kv.transpose(1, 2).reshape(nb, 2, group.max_len, *kv_cache.shape[3:])
-            kc = kv[:, 0].transpose(1, 2).to(q.dtype)  # [Bd, KV, max_len, D]
-            vc = kv[:, 1].transpose(1, 2).to(q.dtype)
+            nb, max_blocks = group.blocks.shape
+            shape = (nb * max_blocks, 2, bs, heads, dim)
+            gathered = self._work.take("gather", shape, kv_cache.dtype)
+            torch.index_select(kv_cache, 0, group.blocks.view(-1), out=gathered)
+            kv = self._work.take("kv", (2, nb, heads, max_blocks, bs, dim), q.dtype)
+            # [Bd, max_blocks, 2, bs, KV, D] -> [2, Bd, KV, max_blocks, bs, D], one copy
+            kv.copy_(gathered.view(nb, max_blocks, 2, bs, heads, dim).permute(2, 0, 4, 1, 3, 5))
+            kc = kv[0].view(nb, heads, group.max_len, dim)  # [Bd, KV, max_len, D]
+            vc = kv[1].view(nb, heads, group.max_len, dim)
             qd = q[group.rows].unsqueeze(2)  # [Bd, H, 1, D]
             o = F.scaled_dot_product_attention(
                 qd, kc, vc, attn_mask=group.mask, scale=scale, enable_gqa=True
