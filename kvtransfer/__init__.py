@@ -45,7 +45,7 @@ def _load(name: str) -> type:
 
 
 def make_sender(backend: str, *, checksum: bool = False, **options: Any) -> KVSender:
-    """A sender; ``checksum`` sends a blake2b digest with every transfer."""
+    """A sender; ``checksum`` sends a CRC-32 of the bytes with every transfer."""
     return _classes(backend)[0](checksum=checksum, **options)
 
 

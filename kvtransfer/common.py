@@ -10,11 +10,11 @@ Per layer, a transfer moves one contiguous buffer::
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,10 +97,13 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def checksum(buffers: Sequence[Buffer]) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
+    """CRC-32 over every buffer in order (4 bytes): it catches flipped, lost and reordered
+    bytes, not an adversary, at ~4 GB/s (blake2b's ~1 GB/s cost a decode core ~12 ms for
+    one 1,024-token prompt of the small model)."""
+    crc = 0
     for buf in buffers:
-        h.update(buf)
-    return h.digest()
+        crc = zlib.crc32(buf, crc)
+    return crc.to_bytes(4, "big")
 
 
 def make_header(

@@ -318,5 +318,5 @@ class KVHeader(Message):
     num_layers: int
     dtype: str
     block_shape: list[int]  # [2, block_size, num_kv_heads, head_dim]
-    checksum: bytes | None  # blake2b-128 over every layer buffer in order, or None
+    checksum: bytes | None  # CRC-32 (big-endian) over every layer buffer in order, or None
     tag: int = 0  # transport tag of the layer buffers (ucx); 0 where unused
