@@ -183,46 +183,36 @@ class Coordinator:
             worker.worker_id,
             len(req.resume_token_ids),
         )
-        self.routes[(req.request_id, choice)] = Route(
-            req, choice, "local", decode=worker.worker_id, prefill=worker.worker_id
-        )
-        job = m.PrefillJob(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling,
-            req.n,
-            worker.worker_id,
-            [],
-            "",
-            req.stream_address,
-            choice,
-            list(req.resume_token_ids),
-        )
-        self._send(worker.worker_id, job)
+        self._run_local(req, choice, worker.worker_id, list(req.resume_token_ids))
 
     def _run_colocated(self, req: m.Generate, choice: int) -> None:
         worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))
         if worker is None:
             self._error_to(req, 503, f"model {req.model} has no worker")
             return
-        self.routes[(req.request_id, choice)] = Route(
-            req, choice, "local", decode=worker.worker_id, prefill=worker.worker_id
-        )
         self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, choice))
-        self._send(
-            worker.worker_id,
-            m.PrefillJob(
-                req.request_id,
-                req.prompt_token_ids,
-                req.sampling,
-                req.n,
-                worker.worker_id,
-                [],
-                "",
-                req.stream_address,
-                choice,
-            ),
+        self._run_local(req, choice, worker.worker_id)
+
+    def _run_local(
+        self, req: m.Generate, choice: int, worker_id: str, generated: list[int] | None = None
+    ) -> None:
+        """One worker runs both phases of this choice (no transfer), after ``generated``."""
+        self.routes[(req.request_id, choice)] = Route(
+            req, choice, "local", decode=worker_id, prefill=worker_id
         )
+        job = m.PrefillJob(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            req.n,
+            worker_id,
+            [],
+            "",
+            req.stream_address,
+            choice,
+            generated or [],
+        )
+        self._send(worker_id, job)
 
     def _reserved(self, msg: m.Reserved, now: float) -> None:
         key = (msg.request_id, msg.choice)
