@@ -149,9 +149,10 @@ class ZmqBackend(Backend):
             self._stream = make_socket(self._ctx, zmq.PULL, self.stream_bind, bind=True)
             self.stream_address = bound_address(self._stream)
             # IMMEDIATE: with no live connection a send fails at once (503), never queues.
-            immediate = {zmq.IMMEDIATE: 1}
+            # No high-water mark: a live but busy coordinator must never lose an Abort.
+            options = {zmq.IMMEDIATE: 1, zmq.SNDHWM: 0}
             self._coordinator = make_socket(
-                self._ctx, zmq.PUSH, self.coordinator_address, bind=False, options=immediate
+                self._ctx, zmq.PUSH, self.coordinator_address, bind=False, options=options
             )
         except OSError:
             await self.close()

@@ -24,24 +24,54 @@ log = logging.getLogger(__name__)
 class PushOutbox:
     """One connected PUSH socket per destination address, made on first use. Any thread may
     send: a lock hands the sockets from one to the next (a KV sender's thread reports a
-    finished transfer while the worker's thread is inside a long step)."""
+    finished transfer while the worker's thread is inside a long step).
+
+    Nothing is dropped when a receiver falls behind (no high-water mark, as vLLM's token
+    sockets): a lost token leaves a gap its stream waits on forever, a lost ``Abort`` leaves
+    blocks held. What waits here is bounded by the work admitted upstream (the gateway's
+    in-flight limit times ``max_tokens``), not by this queue."""
+
+    DROP_LOG_INTERVAL_S = 5.0
 
     def __init__(self, ctx: zmq.Context, coordinator_address: str | None = None) -> None:
         self.ctx = ctx
         self.coordinator_address = coordinator_address
         self._socks: dict[str, zmq.Socket] = {}
         self._lock = threading.Lock()
+        self._dropped: dict[str, tuple[int, float]] = {}  # address -> (count, last logged)
 
     def send(self, address: str, msg: Message) -> None:
         with self._lock:
             sock = self._socks.get(address)
             if sock is None:
-                sock = make_socket(self.ctx, zmq.PUSH, address, bind=False, linger_ms=1000)
+                sock = make_socket(
+                    self.ctx,
+                    zmq.PUSH,
+                    address,
+                    bind=False,
+                    linger_ms=1000,
+                    options={zmq.SNDHWM: 0},
+                )
                 self._socks[address] = sock
             try:
                 send_msg(sock, msg, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("dropped %s to %s: its queue is full", type(msg).__name__, address)
+            except zmq.Again:  # no pipe to the peer at all; never a full one
+                self._log_drop(address, msg)
+
+    def _log_drop(self, address: str, msg: Message) -> None:
+        """One line per address every few seconds, however many messages are lost."""
+        count, logged = self._dropped.get(address, (0, float("-inf")))
+        now = time.monotonic()
+        if now - logged < self.DROP_LOG_INTERVAL_S:
+            self._dropped[address] = (count + 1, logged)
+            return
+        log.warning(
+            "dropped %s to %s (and %d other message(s) since the last report)",
+            type(msg).__name__,
+            address,
+            count,
+        )
+        self._dropped[address] = (0, now)
 
     def to_coordinator(self, msg: Message) -> None:
         if self.coordinator_address is None:

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,22 +25,27 @@ class ServedCluster:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_name = model.name
-        self.proc = subprocess.Popen(
-            [*command, "serve", f"--model={model}", f"--port={self.port}", *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        # A file, never a pipe: nobody reads a pipe while the test runs, and a cluster that
+        # logs more than the pipe holds blocks in its next write (the gateway stops answering).
+        fd, name = tempfile.mkstemp(prefix="pdserve-serve-", suffix=".log")
+        os.close(fd)
+        self._log = Path(name)
+        self._final: str | None = None
+        with open(self._log, "ab") as log:  # O_APPEND: reading it never moves the writer
+            self.proc = subprocess.Popen(
+                [*command, "serve", f"--model={model}", f"--port={self.port}", *flags],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"pdserve serve exited:\n{self.output()}")
             if self.healthy():
                 return
             time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("cluster not healthy in time")
+        raise RuntimeError(f"cluster not healthy in time:\n{self.stop()[-4000:]}")
 
     def healthy(self) -> bool:
         try:
@@ -76,4 +82,13 @@ class ServedCluster:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.stdout.read() if self.proc.stdout else ""
+        if self._final is None:
+            self._final = self.output()
+            self._log.unlink(missing_ok=True)
+        return self._final
+
+    def output(self) -> str:
+        """Everything the cluster printed so far."""
+        if self._final is not None:
+            return self._final
+        return self._log.read_text(errors="replace")

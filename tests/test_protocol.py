@@ -15,6 +15,7 @@ import zmq
 
 from protocol import sockets
 from protocol.codec import registered
+from protocol.loop import PushOutbox
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -362,3 +363,24 @@ def test_router_dealer_and_bound_port(zctx) -> None:
     assert sockets.recv_msg(dealer, timeout_ms=2000) == SAMPLES[11]
     with pytest.raises(OSError, match=r"^cannot bind PULL to tcp://256.0.0.1:1: "):
         sockets.make_socket(zctx, zmq.PULL, "tcp://256.0.0.1:1", bind=True)
+
+
+def test_push_outbox_loses_nothing_to_a_receiver_that_falls_behind(zctx, caplog) -> None:
+    """A gateway busy for a moment must not lose tokens: a gap hangs its stream forever."""
+    pull = sockets.make_socket(zctx, zmq.PULL, "tcp://127.0.0.1:0", bind=True)
+    address = sockets.bound_address(pull)
+    outbox = PushOutbox(zctx)
+    # beyond zmq's default high-water marks (1,000 messages each side) and the kernel's
+    # socket buffers (~5 KB a message, 15 MB in all)
+    count, ids = 3000, [100_000] * 1000
+    with caplog.at_level(logging.WARNING):
+        for i in range(count):
+            outbox.to_gateway(address, TokenChunk("r", 0, i, ids, None, False, None, 3, 0))
+    indices = []
+    while len(indices) < count:
+        msg = sockets.recv_msg(pull, timeout_ms=5000)
+        assert msg is not None, f"only {len(indices)} of {count} arrived"
+        indices.append(msg.index)
+    assert indices == list(range(count))
+    assert "dropped" not in caplog.text
+    outbox.close()
