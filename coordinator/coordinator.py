@@ -15,10 +15,10 @@ and everything it says goes through a ``CoordinatorOutbox``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.registry import WorkerRegistry
+from coordinator.routes import Key, Route, RouteTable
 from kvtransfer.base import LayoutMismatchError
 from protocol import messages as m
 
@@ -33,21 +33,11 @@ class CoordinatorOutbox(Protocol):
     def forget_worker(self, worker_id: str) -> None: ...
 
 
-@dataclass
-class Route:
-    request: m.Generate
-    choice: int
-    state: str  # reserving | prefilling | decoding | local
-    decode: str = ""
-    prefill: str = ""
-    job: m.PrefillJob | None = None  # kept to re-send if its prefill worker dies
-
-
 class Coordinator:
     def __init__(self, outbox: CoordinatorOutbox, heartbeat_timeout_s: float = 5.0) -> None:
         self.outbox = outbox
         self.registry = WorkerRegistry(heartbeat_timeout_s)
-        self.routes: dict[tuple[str, int], Route] = {}
+        self.routes = RouteTable()
 
     # ---- messages ---------------------------------------------------------------------------
     def handle(self, msg: m.Message, now: float) -> None:
@@ -79,11 +69,11 @@ class Coordinator:
             if key in self.routes and worker_id in (route.decode, route.prefill):
                 self._worker_lost(key, route, worker_id)
 
-    def _worker_lost(self, key: tuple[str, int], route: Route, worker_id: str) -> None:
+    def _worker_lost(self, key: Key, route: Route, worker_id: str) -> None:
         """Work the dead worker had not started goes elsewhere; started work fails (503)."""
         req = route.request
         if route.state == "reserving" and route.decode == worker_id:
-            del self.routes[key]
+            self.routes.pop(key)
             self._reserve(req, route.choice)
         elif route.state == "prefilling" and route.prefill == worker_id:
             # the decode reservation still stands: prefill again on another worker
@@ -96,7 +86,7 @@ class Coordinator:
             self._send(prefill.worker_id, route.job)
         elif route.state in ("decoding", "local"):
             # tokens are streaming: the gateway may resume this choice on another worker
-            del self.routes[key]
+            self.routes.pop(key)
             other = {route.decode, route.prefill} - {"", worker_id}
             for wid in other:
                 self._send(wid, m.Abort(key[0], "worker lost", key[1]))
@@ -157,9 +147,7 @@ class Coordinator:
             key = (req.request_id, choice)
             self._fail(key, 503, "no decode worker has free KV blocks for this prompt", req)
             return False
-        self.routes[(req.request_id, choice)] = Route(
-            req, choice, "reserving", decode=worker.worker_id
-        )
+        self.routes.add(Route(req, choice, "reserving", decode=worker.worker_id))
         msg = m.Reserve(
             req.request_id, req.prompt_token_ids, req.sampling, req.n, req.stream_address, choice
         )
@@ -197,9 +185,7 @@ class Coordinator:
         self, req: m.Generate, choice: int, worker_id: str, generated: list[int] | None = None
     ) -> None:
         """One worker runs both phases of this choice (no transfer), after ``generated``."""
-        self.routes[(req.request_id, choice)] = Route(
-            req, choice, "local", decode=worker_id, prefill=worker_id
-        )
+        self.routes.add(Route(req, choice, "local", decode=worker_id, prefill=worker_id))
         job = m.PrefillJob(
             req.request_id,
             req.prompt_token_ids,
@@ -259,31 +245,29 @@ class Coordinator:
         if route.state == "prefilling" and msg.worker_id == route.prefill:
             # token 0 ended the choice: the decode worker's reservation is not needed
             self._send(route.decode, m.Abort(msg.request_id, "finished at token 0", msg.choice))
-        del self.routes[key]
+        self.routes.pop(key)
 
     def _abort(self, msg: m.Abort, now: float) -> None:
-        for key in self._keys(msg.request_id, msg.choice):
+        for key in self.routes.keys_of(msg.request_id, msg.choice):
             route = self.routes.pop(key)
             for worker_id in {route.decode, route.prefill} - {""}:
                 self._send(worker_id, m.Abort(msg.request_id, msg.reason, route.choice))
 
     def _worker_error(self, msg: m.RequestError, now: float) -> None:
         # the worker told the gateway already; stop the other side of every choice
-        for key in self._keys(msg.request_id, None):
+        for key in self.routes.keys_of(msg.request_id, None):
             route = self.routes.pop(key)
             for worker_id in {route.decode, route.prefill} - {""}:
                 self._send(worker_id, m.Abort(msg.request_id, msg.message, route.choice))
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _fail(
-        self, key: tuple[str, int], status: int, message: str, req: m.Generate | None = None
-    ) -> None:
+    def _fail(self, key: Key, status: int, message: str, req: m.Generate | None = None) -> None:
         """End a request on every worker its choices touched and tell its gateway."""
         route = self.routes.get(key)
         request = req or (route.request if route else None)
         if request is None:
             return
-        for k in self._keys(key[0], None):
+        for k in self.routes.keys_of(key[0], None):
             r = self.routes.pop(k)
             for worker_id in {r.decode, r.prefill} - {""}:
                 self._send(worker_id, m.Abort(key[0], message, r.choice))
@@ -292,9 +276,6 @@ class Coordinator:
     def _error_to(self, req: m.Generate, status: int, message: str) -> None:
         logger.info("request %s: %d %s", req.request_id, status, message)
         self.outbox.to_gateway(req.stream_address, m.RequestError(req.request_id, status, message))
-
-    def _keys(self, request_id: str, choice: int | None) -> list[tuple[str, int]]:
-        return [k for k in self.routes if k[0] == request_id and choice in (None, k[1])]
 
     def _send(self, worker_id: str, msg: m.Message) -> None:
         worker = self.registry.workers.get(worker_id)
