@@ -7,7 +7,9 @@ drive it with synthetic timestamps; ``send`` only does the HTTP around it.
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,13 +145,31 @@ async def send(
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {_error_text(await r.aread())}"
                 return out
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if parser.feed(line, time.perf_counter()):
                     break
     except (httpx.HTTPError, ValueError, OSError) as e:
         out.error = f"{type(e).__name__}: {e}"
         return out
     return parser.output(out)
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream, ended only by CRLF, LF or CR as the SSE spec says.
+
+    ``aiter_lines`` splits where ``str.splitlines`` does, so a raw U+2028 or U+0085 inside a
+    JSON string (which servers may send unescaped) would cut a chunk in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        # a trailing CR may be the first half of a CRLF: keep it for the next piece
+        cut = len(pending) - 1 if pending.endswith("\r") else len(pending)
+        *lines, rest = re.split(r"\r\n|\r|\n", pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:
+            yield line
+    if pending:  # the last line, unterminated or ended by a lone CR
+        yield pending[:-1] if pending.endswith("\r") else pending
 
 
 def _error_text(raw: bytes) -> str:

@@ -132,7 +132,8 @@ def jsonl_requests(
     path: str | Path, default_max_tokens: int, maker: PromptMaker | None = None
 ) -> list[BenchRequest]:
     requests = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    # lines end at "\n" only (JSON Lines): a raw U+2028 inside a string is not a line break
+    for lineno, line in enumerate(Path(path).read_text().split("\n"), 1):
         if not line.strip():
             continue
         try:

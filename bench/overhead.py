@@ -27,6 +27,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.client import sse_lines  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -58,7 +60,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> int:
     tokens = 0
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):

@@ -28,6 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.client import sse_lines  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,7 +116,7 @@ async def client(
 
 async def _read(r: httpx.Response, give_up: bool, rng: random.Random) -> str:
     chunks, limit, last = 0, rng.randint(1, 20), None
-    async for line in r.aiter_lines():
+    async for line in sse_lines(r):
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
@@ -148,7 +151,6 @@ async def load(base: str, model: str, args: argparse.Namespace, serve_pid: int) 
 
 def main() -> None:
     args = parse_args()
-    sys.path.insert(0, str(ROOT))
     from engine.make_model import default_model_dir
 
     model = args.model or str(default_model_dir("tiny"))

@@ -37,8 +37,14 @@ class ChoiceResult:
     logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
+# Characters many line splitters (``str.splitlines``, httpx's ``aiter_lines``) break on, that
+# json.dumps leaves raw. They only occur inside JSON strings, where the escape means the same.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

@@ -12,11 +12,13 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from bench.client import sse_lines
 from launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +55,10 @@ def stub_app(seen: list[dict]) -> FastAPI:
         def choice(i: int) -> dict:
             if chat:
                 return {"index": 0, "delta": {"content": f"w{i} "}}
-            return {"index": 0, "text": f"w{i} "}
+            return {"index": 0, "text": f"w{i}\u2028 "}  # raw below, as pydantic writes it
 
         def sse(event: dict) -> str:
-            return f"data: {json.dumps(event)}\n\n"
+            return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
         async def events():
             if chat:  # a role-only first chunk: TTFT before the first content
@@ -196,3 +198,24 @@ def test_harness_imports_no_serving_code(stub, tmp_path) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_sse_lines_end_only_at_cr_and_lf() -> None:
+    # U+2028 split across two reads, CRLF split across two reads, a lone CR, U+0085
+    pieces = [b"data: a\xe2\x80", b"\xa8b\r", b"\ndata: c\xc2\x85d\rdata: e\n\n", b"data: [DONE]"]
+
+    async def lines() -> list[str]:
+        async def body():
+            for piece in pieces:
+                yield piece
+
+        response = httpx.Response(200, content=body())
+        return [line async for line in sse_lines(response)]
+
+    assert asyncio.run(lines()) == [
+        "data: a\u2028b",
+        "data: c\x85d",
+        "data: e",
+        "",
+        "data: [DONE]",
+    ]

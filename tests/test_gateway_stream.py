@@ -14,7 +14,14 @@ from gateway.backend import GenerateRequest
 from gateway.generation import Generation, Usage
 from gateway.jobs import Job
 from gateway.metrics import GatewayMetrics
-from gateway.stream import ChoiceResult, collect, response_body, stream_events, usage_body
+from gateway.stream import (
+    ChoiceResult,
+    collect,
+    response_body,
+    sse,
+    stream_events,
+    usage_body,
+)
 from tests.gateway_util import FakeBackend, Script
 
 HI = [39, 72, 259, 263]  # H|i| the|re
@@ -233,3 +240,12 @@ def test_rejected_submit_raises_before_any_output(tokenizer: Tokenizer) -> None:
     with pytest.raises(BackendError) as info:
         run_stream(backend, tokenizer, job())
     assert info.value.status == 429
+
+
+def test_sse_escapes_what_line_splitters_break_on() -> None:
+    """json.dumps leaves U+2028, U+2029 and U+0085 raw; many SSE clients split lines there."""
+    body = {"text": "a\u2028b\u2029c\x85d é 中"}
+    event = sse(body)
+    assert event == 'data: {"text":"a\\u2028b\\u2029c\\u0085d é 中"}\n\n'
+    assert event[:-2].splitlines() == [event[:-2]]
+    assert json.loads(event[len("data: ") :]) == body
