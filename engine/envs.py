@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+
+API_KEY = "PDSERVE_API_KEY"
 
 
 def pdserve_home() -> Path:
@@ -25,3 +28,8 @@ def coordinator_address() -> str | None:
 def coordinator_bind() -> str:
     """``PDSERVE_COORDINATOR_BIND``: where the coordinator listens (port 0: any free one)."""
     return os.environ.get("PDSERVE_COORDINATOR_BIND", "tcp://127.0.0.1:0")
+
+
+def api_key(env: Mapping[str, str] = os.environ) -> str | None:
+    """``PDSERVE_API_KEY``: one more key the gateway accepts (blank: none)."""
+    return env.get(API_KEY, "").strip() or None

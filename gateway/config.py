@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-API_KEY_ENV = "PDSERVE_API_KEY"  # one more accepted API key
+from engine import envs
+
+API_KEY_ENV = envs.API_KEY  # one more accepted API key
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_MAX_PENDING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -56,8 +58,9 @@ def load_api_keys(
         if not from_file:
             raise ValueError(f"the API key file {key_file} has no key")
         found += from_file
-    if env.get(API_KEY_ENV, "").strip():
-        found.append(env[API_KEY_ENV].strip())
+    from_env = envs.api_key(env)
+    if from_env is not None:
+        found.append(from_env)
     return tuple(dict.fromkeys(found))
 
 
