@@ -262,9 +262,41 @@ class TableBacked:
 
 
 class TableBackedReceiver(TableBacked):
-    """A receiver's ``expect`` over its table (``_num_blocks``: the local cache's block count)."""
+    """What every receiver shares: its table, its cache, ``expect``, and one background thread
+    running ``_run`` until ``close``. A backend calls ``_init_receiver`` first in ``__init__``
+    and ``_start_thread`` last, once it knows its address."""
 
     _num_blocks: int
+
+    def _init_receiver(
+        self, backend: str, kv_layers: list[torch.Tensor], require_checksum: bool
+    ) -> None:
+        self._layers = kv_layers
+        self._num_blocks = kv_layers[0].shape[0]
+        self.require_checksum = require_checksum
+        self._table = TransferTable(f"{backend} receiver")
+
+    def _start_thread(self, backend: str, address: str) -> None:
+        self._address = address
+        self._stop = threading.Event()
+        name = f"kv-{backend}-receiver"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _stop_thread(self) -> bool:
+        """Stop and join the thread; False if that was done already (``close`` is idempotent)."""
+        if self._stop.is_set():
+            return False
+        self._stop.set()
+        self._thread.join()
+        return True
+
+    @property
+    def address(self) -> str:
+        return self._address
 
     def expect(
         self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -65,25 +64,18 @@ class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
     ) -> None:
         w.require(self.status(), self.backend)
         self._layout = self._check_layers(kv_layers)
-        self._layers = kv_layers
+        self._init_receiver(self.backend, kv_layers, require_checksum)
         self._device = kv_layers[0].device
         self._gpu = w.gpu_uuid(self._device)
-        self._num_blocks = kv_layers[0].shape[0]
-        self.require_checksum = require_checksum
         self.session = secrets.token_hex(8)
         self._digest = w.DeviceChecksum()
         self._stream = self._side_stream()
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
-        self._table = common.TransferTable(f"{self.backend} receiver")
         self._incoming: dict[str, Incoming] = {}  # receiver thread only
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind, bind=True)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # control messages only
-        self._address = bound_address(self._sock)
-        self._stop = threading.Event()
-        name = f"kv-{self.backend}-receiver"
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._start_thread(self.backend, bound_address(self._sock))
 
     @staticmethod
     def status() -> tuple[bool, str]:
@@ -107,10 +99,6 @@ class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
     def _side_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.Stream(self._device)
 
-    @property
-    def address(self) -> str:
-        return self._address
-
     def release(self, request_id: str) -> None:
         if self.wait_on_release:
             deadline = time.monotonic() + RELEASE_GRACE_S
@@ -125,10 +113,8 @@ class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
         self._table.pop(request_id)
 
     def close(self) -> None:
-        if self._stop.is_set():
+        if not self._stop_thread():
             return
-        self._stop.set()
-        self._thread.join()
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()

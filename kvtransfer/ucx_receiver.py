@@ -11,7 +11,6 @@ Per transfer (see ``ucx_backend`` for the tags)::
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,31 +62,19 @@ class UcxKVReceiver(common.TableBackedReceiver, KVReceiver):
         require_checksum: bool = False,
     ) -> None:
         self._layout = common.check_host_layers(kv_layers)
-        self._layers = kv_layers
-        self._num_blocks = kv_layers[0].shape[0]
-        self.require_checksum = require_checksum
+        self._init_receiver("ucx", kv_layers, require_checksum)
         host, port = parse_address(bind)
         self._ucx = UcxWorker()
-        self._table = common.TransferTable("ucx receiver")
         self._endpoints: list[tuple[Any, Any]] = []  # accepted (endpoint, HELLO send) pairs
         self._listener = self._ucx.lib.UCXListener.create(
             self._ucx.worker, port, self._on_connect, deliver_endpoint=True
         )
         # UCX listens on every interface; the address names the host senders should use
-        self._address = f"ucx://{host}:{self._listener.port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-ucx-receiver", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return self._address
+        self._start_thread("ucx", f"ucx://{host}:{self._listener.port}")
 
     def close(self) -> None:
-        if self._stop.is_set():
+        if not self._stop_thread():
             return
-        self._stop.set()
-        self._thread.join()
         self._listener = None
         for ep, _ in self._endpoints:
             ep.close_blocking(period=10**9, max_attempts=1)

@@ -15,7 +15,6 @@ request, then scatters straight from zmq's frames.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -158,29 +157,17 @@ class ZmqKVReceiver(common.TableBackedReceiver, KVReceiver):
         ctx: zmq.Context | None = None,
     ) -> None:
         self._layout = common.check_host_layers(kv_layers)
-        self._layers = kv_layers
-        self._num_blocks = kv_layers[0].shape[0]
-        self.require_checksum = require_checksum
+        self._init_receiver("zmq", kv_layers, require_checksum)
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
-        self._table = common.TransferTable("zmq receiver")
         self._sock = make_socket(self._ctx, zmq.PULL, bind, bind=True)
         # no frame may exceed a whole layer of this cache
         self._sock.setsockopt(zmq.MAXMSGSIZE, common.layer_nbytes(self._layout, self._num_blocks))
-        self._address = bound_address(self._sock)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-zmq-receiver", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return self._address
+        self._start_thread("zmq", bound_address(self._sock))
 
     def close(self) -> None:
-        if self._stop.is_set():
+        if not self._stop_thread():
             return
-        self._stop.set()
-        self._thread.join()
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
