@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 Status = tuple[bool, str]
 
@@ -43,14 +44,8 @@ def cuda_status(device: int = 0) -> Status:
 
 def flashinfer_status() -> Status:
     """flashinfer's paged wrappers importable on a CUDA machine; version noted."""
-    cuda_ok, cuda_reason = cuda_status()
-    mod, import_reason = _try_import("flashinfer")
-    problems = []
-    if not cuda_ok:
-        problems.append(f"no CUDA ({cuda_reason})")
-    if mod is None:
-        problems.append(import_reason)
-    else:
+    mod, problems = _cuda_module("flashinfer")
+    if mod is not None:
         missing = [
             name
             for name in (
@@ -70,14 +65,8 @@ def flashinfer_status() -> Status:
 
 def cupy_nccl_status() -> Status:
     """cupy with its NCCL binding (``cupy.cuda.nccl``) on a CUDA machine."""
-    cuda_ok, cuda_reason = cuda_status()
-    mod, import_reason = _try_import("cupy.cuda.nccl")
-    problems = []
-    if not cuda_ok:
-        problems.append(f"no CUDA ({cuda_reason})")
-    if mod is None:
-        problems.append(import_reason)
-    elif not getattr(mod, "available", True):
+    mod, problems = _cuda_module("cupy.cuda.nccl")
+    if mod is not None and not getattr(mod, "available", True):
         problems.append("cupy is installed without NCCL support (cupy.cuda.nccl.available)")
     if problems:
         return False, "; ".join(problems)
@@ -100,6 +89,17 @@ def cuda_ipc_status() -> Status:
     except Exception as exc:
         return False, f"torch CUDA IPC reductions unavailable: {type(exc).__name__}: {exc}"
     return True, f"CUDA IPC via torch ({cuda_reason})"
+
+
+def _cuda_module(name: str) -> tuple[Any, list[str]]:
+    """Module ``name`` (None if it does not import) and what stands in its way so far: no
+    CUDA, no module. Both are reported together, so one message names every missing piece."""
+    cuda_ok, cuda_reason = cuda_status()
+    mod, import_reason = _try_import(name)
+    problems = [] if cuda_ok else [f"no CUDA ({cuda_reason})"]
+    if mod is None:
+        problems.append(import_reason)
+    return mod, problems
 
 
 def _try_import(name: str) -> tuple[object | None, str]:
