@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import signal
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import torch
+
+from bench.cluster import ServeProcess
 
 OVERLAP = (
     "off: the prefill worker pushes KV after the prompt's last chunk (the GPU senders wait "
@@ -42,52 +43,14 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
         return json.loads(r.read())
 
 
-class Cluster:
-    """``pdserve serve`` with cuda_ipc on free ports; stopped (SIGTERM) on exit."""
-
-    def __init__(self, model: Path, log: Path, ready_timeout: float = 900.0) -> None:
-        from launch.serve import pdserve_command
-        from protocol.sockets import free_port
-
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        cmd = [*pdserve_command(), "serve", f"--model={model}", f"--port={port}"]
-        cmd += [*SERVE_FLAGS, "--transfer-backend=cuda_ipc", f"--ready-timeout={ready_timeout}"]
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ready_timeout  # flashinfer JIT + graph capture, twice
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.close()
-                tail = log.read_text()[-3000:]
-                raise RuntimeError(f"pdserve serve exited {self.proc.returncode}:\n{tail}")
-            try:
-                _get(f"{self.url}/health", 1.0)
-                return
-            except OSError:
-                time.sleep(1.0)
-        self.stop()
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"cluster not healthy in {ready_timeout:.0f} s:\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self.log.closed:
-            self.log.close()
-
-
 def serving_rows() -> dict[str, str]:
     from engine.make_model import default_model_dir
 
     model = default_model_dir("small")
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(model, Path(tmp) / "serve.log")
+        # flashinfer JIT and CUDA graph capture, twice: allow 15 minutes
+        flags = [*SERVE_FLAGS, "--transfer-backend=cuda_ipc", "--ready-timeout=900"]
+        cluster = ServeProcess(model, flags, log=Path(tmp) / "serve.log", ready_timeout_s=900)
         try:
             return {
                 "greedy": _greedy_row(cluster.url, model),

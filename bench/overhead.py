@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_lines  # noqa: E402
+from bench.cluster import ServeProcess  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,53 +91,24 @@ async def through_http(base: str, model: str, prompts: list[list[int]], output_l
     return sum(counts) / elapsed
 
 
-def start_cluster(model: str, port: int, mode: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.cli",
-        "serve",
-        f"--model={model}",
-        f"--port={port}",
-        f"--mode={mode}",
-        "--kv-cache-memory=512M",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("pdserve serve exited")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("cluster did not become healthy")
-
-
 def main() -> None:
     args = parse_args()
     import random
 
     from engine.make_model import default_model_dir
-    from protocol.sockets import free_port
 
     model = args.model or str(default_model_dir("small"))
     rng = random.Random(args.seed)
     prompts = [
         [rng.randrange(100, 2000) for _ in range(args.input_len)] for _ in range(args.streams)
     ]
-    port = free_port()
-    proc = start_cluster(model, port, args.mode)
+    cluster = ServeProcess(model, [f"--mode={args.mode}", "--kv-cache-memory=512M"])
     try:
         http_tps = asyncio.run(
-            through_http(f"http://127.0.0.1:{port}", Path(model).name, prompts, args.output_len)
+            through_http(cluster.url, Path(model).name, prompts, args.output_len)
         )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        cluster.stop()
     cores = os.cpu_count() or 1
     worker_threads = max(1, cores // 2)  # what `pdserve serve` gives each of its 2 workers
     rows = [

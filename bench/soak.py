@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import sse_lines  # noqa: E402
+from bench.cluster import ServeProcess  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,14 +45,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def roles(serve_pid: int) -> dict[str, int]:
@@ -154,40 +147,17 @@ def main() -> None:
     from engine.make_model import default_model_dir
 
     model = args.model or str(default_model_dir("tiny"))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "serve",
-            f"--model={model}",
-            f"--port={port}",
-            "--prefill=1",
-            "--decode=2",
-            f"--kv-fault={args.kv_fault}",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    flags = ["--prefill=1", "--decode=2", f"--kv-fault={args.kv_fault}"]
+    cluster = ServeProcess(model, flags)
+    serve, base = cluster.proc, cluster.url
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
         rss_start = {name: rss_mib(pid) for name, pid in roles(serve.pid).items()}
         tally = asyncio.run(load(base, Path(model).name, args, serve.pid))
         time.sleep(3)  # heartbeats catch up
         leaked = sum(used_blocks(base).values())
         rss_end = {name: rss_mib(pid) for name, pid in roles(serve.pid).items()}
     finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(60)
+        cluster.stop()
     print(f"\nsoak: {args.duration:.0f}s, {args.clients} clients, kv fault {args.kv_fault}")
     for outcome in ("completed", "client gave up", "failed cleanly", "hung"):
         print(f"  {outcome:<28} {tally.get(outcome, 0):>6}")

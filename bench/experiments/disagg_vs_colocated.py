@@ -25,19 +25,18 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.cluster import ServeProcess  # noqa: E402
 from bench.plots import plot_sweep  # noqa: E402
+from launch.serve import pdserve_command  # noqa: E402
 
 MODES = {"disagg": [], "colocated": ["--mode=colocated"]}
 
@@ -60,11 +59,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def pdserve() -> list[str]:
-    script = Path(sys.executable).parent / "pdserve"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "launch.cli"]
-
-
 def small_model() -> str:
     """The built-in ``small`` checkpoint (made on first use; this imports torch, the harness
     does not)."""
@@ -77,33 +71,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def serve(model: str, port: int, flags: list[str]) -> subprocess.Popen:
-    cmd = [*pdserve(), "serve", f"--model={model}", f"--port={port}", "--prefill=1"]
-    cmd += ["--decode=1", "--pin", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{shlex.join(cmd)} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError("the cluster was not healthy within 180 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def bench_flags(args: argparse.Namespace, model: str) -> list[str]:
@@ -128,15 +95,14 @@ def bench_flags(args: argparse.Namespace, model: str) -> list[str]:
 
 
 def run_mode(args: argparse.Namespace, model: str, mode: str, out: Path) -> list[dict]:
-    port = free_port()
-    print(f"== {mode}: starting pdserve serve on :{port}", flush=True)
-    proc = serve(model, port, MODES[mode])
+    print(f"== {mode}: starting pdserve serve", flush=True)
+    cluster = ServeProcess(model, ["--prefill=1", "--decode=1", "--pin", *MODES[mode]])
     try:
-        cmd = [*pdserve(), "bench", f"--base-url=http://127.0.0.1:{port}"]
+        cmd = [*pdserve_command(), "bench", f"--base-url={cluster.url}"]
         cmd += [*bench_flags(args, model), f"--save-result={out}"]
         subprocess.run(cmd, check=True)
     finally:
-        stop(proc)
+        cluster.stop()
     return json.loads(out.read_text())["rows"]
 
 
