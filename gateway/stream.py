@@ -43,7 +43,9 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def sse(body: dict[str, Any]) -> str:
-    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    if "\u2028" in data or "\u2029" in data or "\x85" in data:  # rare: translate costs 2 us
+        data = data.translate(_LINE_BREAKS)
     return f"data: {data}\n\n"
 
 
