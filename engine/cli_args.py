@@ -12,8 +12,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face model directory "
-        "(default: the built-in tiny model, created on first use)",
+        help="a Hugging Face model directory, a pulled model's name, or tiny/small (random "
+        "weights) (default: smollm2-135m-instruct, pulled on first use)",
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
@@ -31,6 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--max-step-time",
+        type=float,
+        default=SchedulerConfig.max_step_time_s,
+        help="seconds one step may take: at start-up the per-step token budget is lowered "
+        "to what runs within it on this machine (0: off, keep --max-num-batched-tokens)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
     g.add_argument(
@@ -39,11 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    model = args.model
-    if model is None:
-        from engine.make_model import default_model_dir
+    from engine.model_store import resolve_model
 
-        model = str(default_model_dir("tiny"))
+    model = resolve_model(args.model, args.dtype)
     return EngineConfig(
         model=model,
         dtype=args.dtype,
@@ -63,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_step_time_s=args.max_step_time,
         ),
     )
 

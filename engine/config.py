@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # A prompt longer than this many tokens per step is split over several steps.
     long_prefill_token_threshold: int | None = None
+    # Seconds one step may take: at start-up the engine lowers max_num_batched_tokens to
+    # what runs within it here (engine/step_budget.py). <= 0: off. Half a second bounds how
+    # long a prefill chunk stalls the decode streams batched with it, while the fixed cost of
+    # a step (~30 ms for SmolLM2-135M on one CPU core) stays near 6% of it (12% at 0.25 s);
+    # a 2,048-token chunk of a 7-8B model on a GPU takes ~0.1 s, so GPUs keep the max.
+    max_step_time_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -185,6 +192,11 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not math.isfinite(self.max_step_time_s):
+            raise ConfigError(
+                f"max_step_time_s must be a number of seconds (<= 0: off), "
+                f"got {self.max_step_time_s}"
             )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
+from engine.step_budget import calibrate_step_budget
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,17 @@ class LLMEngine(KVHandoffMixin):
             config.cache.block_size,
             config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # the effective token budget (what fits max_step_time_s here) is the scheduler's:
+        # self.scheduler.config.max_num_batched_tokens; config.scheduler keeps the flag's
+        self.step_budget = calibrate_step_budget(
+            self.runner, self.block_manager, config.scheduler, self.max_model_len
+        )
+        scheduler_config = config.scheduler
+        if self.step_budget is not None:
+            scheduler_config = replace(
+                scheduler_config, max_num_batched_tokens=self.step_budget.tokens
+            )
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = _eos_ids(config.model, self.model_config)
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

@@ -1,7 +1,8 @@
 """Iteration-level scheduler: each step picks tokens for running and waiting sequences.
 
-One token budget (``max_num_batched_tokens``) covers decode tokens and prefill chunks alike,
-so a long prompt is split over steps (chunked prefill) while decodes keep going. Running
+One token budget (``max_num_batched_tokens``, lowered at start-up to what runs within
+``max_step_time_s`` here: engine/step_budget.py) covers decode tokens and prefill chunks
+alike, so a long prompt is split over steps (chunked prefill) while decodes keep going. Running
 sequences are served first, in order; when blocks run out the newest running sequence is
 preempted (blocks freed, recomputed later from its tokens). Waiting sequences are admitted
 FIFO while budget, ``max_num_seqs`` and blocks allow.

@@ -37,6 +37,7 @@ FORWARDED_ENGINE_FLAGS = (
     "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_step_time",
     "seed",
 )
 

@@ -1,7 +1,8 @@
 """``pdserve prefill`` and ``pdserve decode``: one worker process around one engine.
 
 The worker binds its control socket (Reserve / PrefillJob / TransferDone / Abort arrive
-there), a KV receiver where it decodes, registers with the coordinator, and heartbeats.
+there), a KV receiver where it decodes, registers with the coordinator, and heartbeats from
+a thread of its own (protocol/liveness.py), so a long step never reads as a dead worker.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from engine import envs
 from engine.cli_args import add_engine_args, engine_config_from_args
 from kvtransfer import backends as transfer_backends
 from protocol import messages as m
+from protocol.liveness import Liveness
 from protocol.loop import PushOutbox, serve, stop_on_signals
 from protocol.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_PERIOD_S = 1.0  # the coordinator's timeout (5 s) allows a few to go missing
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -51,6 +55,13 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         help="skip the per-transfer checksum (on by default: corruption is caught)",
     )
     g.add_argument("--worker-id", default=None)
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the step loop may go without coming round (far longer than any step) "
+        "before heartbeats stop and every thread's stack is logged",
+    )
     g.add_argument(
         "--drain-timeout",
         type=float,
@@ -86,6 +97,11 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
 def run_worker(args: argparse.Namespace, role: str) -> int:
     if not args.coordinator:
         raise SystemExit(f"pdserve {role}: --coordinator (or PDSERVE_COORDINATOR) is required")
+    if not args.stall_timeout > HEARTBEAT_PERIOD_S:
+        raise SystemExit(
+            f"pdserve {role}: --stall-timeout must be longer than the heartbeat period "
+            f"({HEARTBEAT_PERIOD_S:g}s), got {args.stall_timeout:g}"
+        )
     from engine.engine import LLMEngine
     from engine.wire import heartbeat, kv_layout
     from kvtransfer import make_receiver, make_sender
@@ -134,11 +150,15 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         max_model_len=engine.max_model_len,
     )
 
+    # Register again each period (a restarted coordinator relearns the cluster from it) is
+    # the keep-alive; the Heartbeat is built on the loop thread, the only one touching the
+    # engine, once a period and at once on drain (serve calls periodic then).
+    liveness = Liveness(
+        outbox.to_coordinator, register, HEARTBEAT_PERIOD_S, stall_timeout_s=args.stall_timeout
+    )
+
     def periodic(now: float) -> None:
-        # registering again each second lets a restarted coordinator relearn the cluster
-        outbox.to_coordinator(register)
-        hb = heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining)
-        outbox.to_coordinator(hb)
+        liveness.publish(heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining))
 
     log.info(
         "%s worker %s serving %s: control %s",
@@ -155,8 +175,10 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
             worker.step,
             periodic,
             stop,
+            period_s=HEARTBEAT_PERIOD_S,
             drain=worker,
             drain_timeout_s=args.drain_timeout,
+            liveness=liveness,
         )
     finally:
         transport.close()

@@ -1,7 +1,8 @@
 """The socket side of every role: an outbox of PUSH sockets and the recv → step → send loop.
 
 Roles keep their logic in a socket-free class (``handle(msg)``, ``step()``); this module owns
-the sockets around it, so tests can step the class alone.
+the sockets around it, so tests can step the class alone. A worker's heartbeats go out from
+a thread of their own (``protocol/liveness.py``), which the loop tells each time it comes round.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 import zmq
 
 from protocol.codec import Message
+from protocol.liveness import Liveness
 from protocol.sockets import make_socket, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
@@ -127,25 +129,34 @@ def serve(
     idle_wait_ms: int = 5,
     drain: Drain | None = None,
     drain_timeout_s: float = 30.0,
+    liveness: Liveness | None = None,
 ) -> None:
     """Until ``stop``: take every waiting message, run one step, and call ``periodic`` about
     every ``period_s``. Waits for input only when the last step had nothing to do.
 
     With ``drain``, a stop first turns new work away and keeps going until the work in
-    flight is done (or ``drain_timeout_s`` passes)."""
-    _loop(inbox, handle, step, periodic, stop.is_set, period_s, idle_wait_ms)
-    if drain is None:
-        return
-    drain.begin_drain()
-    periodic(time.monotonic())  # tell the coordinator at once
-    deadline = time.monotonic() + drain_timeout_s
+    flight is done (or ``drain_timeout_s`` passes). With ``liveness``, its thread runs while
+    this does (started here, stopped and joined on the way out) and hears each time the loop
+    comes round; ``periodic`` is then where the loop hands it a status."""
+    if liveness is not None:
+        liveness.start()
+    try:
+        _loop(inbox, handle, step, periodic, stop.is_set, period_s, idle_wait_ms, liveness)
+        if drain is None:
+            return
+        drain.begin_drain()
+        periodic(time.monotonic())  # tell the coordinator at once
+        deadline = time.monotonic() + drain_timeout_s
 
-    def done() -> bool:
-        return not drain.in_flight() or time.monotonic() > deadline
+        def done() -> bool:
+            return not drain.in_flight() or time.monotonic() > deadline
 
-    _loop(inbox, handle, step, periodic, done, period_s, idle_wait_ms)
-    if drain.in_flight():
-        log.warning("drain timed out after %.0fs with work still in flight", drain_timeout_s)
+        _loop(inbox, handle, step, periodic, done, period_s, idle_wait_ms, liveness)
+        if drain.in_flight():
+            log.warning("drain timed out after %.0fs with work still in flight", drain_timeout_s)
+    finally:
+        if liveness is not None:
+            liveness.close()
 
 
 def _loop(
@@ -156,6 +167,7 @@ def _loop(
     until: Callable[[], bool],
     period_s: float,
     idle_wait_ms: int,
+    liveness: Liveness | None,
 ) -> None:
     busy = False
     next_tick = 0.0
@@ -175,6 +187,8 @@ def _loop(
             log.exception("step failed")
             busy = False
         now = time.monotonic()
+        if liveness is not None:
+            liveness.came_round(now)
         if now >= next_tick:
             periodic(now)
             next_tick = now + period_s
