@@ -7,8 +7,8 @@ ratio, and checks that greedy tokens agree.
 
 This is an engine benchmark, so unlike the client harness it imports torch and the engine.
 
-    .venv/bin/python bench/engine.py                       # small model, C = 1, 8, 32
-    .venv/bin/python bench/engine.py --concurrency 1 4 --output-len 32
+    .venv/bin/python bench/engine.py                 # SmolLM2-135M, then the random small model
+    .venv/bin/python bench/engine.py --model tiny --concurrency 1 4 --output-len 32
 """
 
 from __future__ import annotations
@@ -24,13 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.make_model import default_model_dir
+from engine.model_store import DEFAULT_MODEL, resolve_model
 from engine.sampling_params import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory (default: built-in small)")
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=[DEFAULT_MODEL, "small"],
+        help="model directories or names, one table each (default: the real model, then the "
+        "random small one)",
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -67,9 +73,13 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    for model in args.model:
+        bench_model(resolve_model(model), args)
+
+
+def bench_model(model_dir: str, args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    model_dir = args.model or str(default_model_dir("small"))
     engine = LLMEngine(
         EngineConfig(
             model=model_dir,

@@ -1,15 +1,17 @@
 """Disaggregated against colocated serving, same resources, the ``mixed`` workload.
 
-Starts ``pdserve serve`` twice on the built-in ``small`` model, each time two workers pinned
-to a core each (on this 2-core machine):
+Starts ``pdserve serve`` twice on one model (default: SmolLM2-135M-Instruct, pulled on first
+use; ``--model small`` for the random one), each time two workers pinned to a core each (on
+this 2-core machine):
 
     disagg     prefill-0 [core 0]   decode-1 [core 1]      --prefill 1 --decode 1 --pin
     colocated  decode-0  [core 0]   decode-1 [core 1]      --mode colocated ... --pin
 
 and runs ``pdserve bench --dataset mixed`` at each rate against both: short-prompt, long-output
 streams arriving at the rate, plus bursts of long prompts. Writes
-``bench/results/disagg_vs_colocated.json`` (``{"command", "rows": [{"rate", "disagg",
-"colocated"}]}``) and a PNG beside it (p99 TPOT, p99 TTFT, goodput at the TPOT SLO).
+``bench/results/disagg_vs_colocated[_MODEL].json`` (``{"command", "rows": [{"rate", "disagg",
+"colocated"}]}``; no suffix for ``small``) and a PNG beside it (p99 TPOT, p99 TTFT, goodput at
+the TPOT SLO).
 
     .venv/bin/python bench/experiments/disagg_vs_colocated.py                 # about 5 min
     .venv/bin/python bench/experiments/disagg_vs_colocated.py --burst-output-len 1 \
@@ -43,7 +45,9 @@ MODES = {"disagg": [], "colocated": ["--mode=colocated"]}
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory (default: built-in small)")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model directory or name (or small)"
+    )
     p.add_argument("--rates", default="1,2,3", help="stream arrivals per second")
     p.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per rate")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
@@ -54,17 +58,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--burst-size", type=int, default=2)
     p.add_argument("--burst-interval", type=float, default=3.0)
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--out", default=str(ROOT / "bench/results/disagg_vs_colocated.json"))
+    p.add_argument("--out", default=None, help="default: bench/results/disagg_vs_colocated_MODEL")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
     return p.parse_args()
 
 
-def small_model() -> str:
-    """The built-in ``small`` checkpoint (made on first use; this imports torch, the harness
-    does not)."""
-    from engine.make_model import default_model_dir
+def model_dir(name: str) -> str:
+    """A directory for ``--model`` (pulling or making it on first use)."""
+    from engine.model_store import resolve_model
 
-    return str(default_model_dir("small"))
+    return resolve_model(name)
+
+
+def default_out(name: str) -> Path:
+    suffix = "" if name == "small" else f"_{Path(name).name}"
+    return ROOT / f"bench/results/disagg_vs_colocated{suffix}.json"
 
 
 def free_port() -> int:
@@ -148,11 +156,11 @@ def draw(report: dict, png: Path) -> None:
 
 def main() -> int:
     args = parse_args()
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_out(args.model)
     if args.replot:
         draw(json.loads(out.read_text()), out.with_suffix(".png"))
         return 0
-    model = args.model or small_model()
+    model = model_dir(args.model)
     load_before = os.getloadavg()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +174,7 @@ def main() -> int:
     command = shlex.join([".venv/bin/python", "bench/experiments/disagg_vs_colocated.py"])
     command += "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     bench_cmd = shlex.join(["pdserve", "bench", "--base-url=URL", *bench_flags(args, "MODEL")])
-    model_name = args.model or "small"
+    model_name = Path(args.model).name
     machine = {"cpus": os.cpu_count(), "loadavg_before": load_before}
     machine["loadavg_after"] = os.getloadavg()
     workload = {key: getattr(args, key) for key in WORKLOAD_KEYS}
