@@ -18,6 +18,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    g.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=["auto", "onednn", "torch"],
+        help="CPU linear layers: oneDNN with packed weights (auto, where it runs) or torch's",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count")
@@ -54,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        cpu_linear=args.cpu_linear,
         max_model_len=args.max_model_len,
         seed=args.seed,
         threads=args.threads,

@@ -206,6 +206,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    cpu_linear: str = "auto"  # auto | onednn | torch: how CPU linear layers run (cpu_linear.py)
     max_model_len: int | None = None
     seed: int = 0
     threads: int | None = None
@@ -220,3 +221,5 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")

@@ -35,6 +35,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = load_model(config.model, config.dtype, self.device, max_model_len)
         self.dtype = next(self.model.parameters()).dtype
+        self.linear = self._pack_linears(config.cpu_linear)
         self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
         self.backend = make_backend(config.attention_backend, self.device)
         self.graphs = None  # CUDA only: captured decode steps (engine/cuda_graphs.py)
@@ -45,7 +46,8 @@ class ModelRunner:
                 self.model, self.kv_cache.layers, self.backend, model_config, config, max_model_len
             )
         logger.info(
-            "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB), backend %s",
+            "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB), backend %s, "
+            "linear %s",
             config.model,
             model_config.architecture,
             self.dtype,
@@ -54,7 +56,25 @@ class ModelRunner:
             self.kv_cache.block_size,
             self.kv_cache.nbytes / 2**20,
             self.backend.name,
+            self.linear,
         )
+
+    def _pack_linears(self, choice: str) -> str:
+        """oneDNN-packed linear layers on CPU (engine/cpu_linear.py), unless told otherwise."""
+        if self.device.type != "cpu" or choice == "torch":
+            return "torch"
+        from engine.cpu_linear import onednn_status, pack_linears, packed_head
+
+        usable, reason = onednn_status()
+        if not usable:
+            if choice == "onednn":
+                raise RuntimeError(f"--cpu-linear onednn: {reason}")
+            logger.info("linear layers through torch: %s", reason)
+            return "torch"
+        pack_linears(self.model)
+        if self.model.lm_head is None:
+            self.model.tied_head = packed_head(self.model.embed_tokens.weight)
+        return "onednn"
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
         bs = self.kv_cache.block_size
