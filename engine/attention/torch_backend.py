@@ -1,9 +1,12 @@
-"""Attention over the paged cache with ``torch.nn.functional.scaled_dot_product_attention``.
+"""Attention over the paged cache with plain torch ops (SDPA for prefill, bmm for decode).
 
 Works on CPU and CUDA. Prefill chunks attend one sequence at a time (causal, offset by the
-tokens already cached); single-token decode rows go through one padded SDPA call per group of
-similar context lengths, their K and V gathered into buffers kept from step to step (a fresh
-multi-megabyte tensor per layer per step cost more in page faults than the copy itself).
+tokens already cached) through ``scaled_dot_product_attention``. Single-token decode rows go
+in groups of similar context lengths: their K and V blocks gathered once, head-major, into
+buffers kept from step to step (a fresh multi-megabyte tensor per layer per step cost more in
+page faults than the copy itself), then two ``bmm`` read the gathered blocks in place. Measured on
+SmolLM2-135M at 32 streams of ~270 tokens, one core: SDPA over a transposed copy spent 55% of
+the step in attention (gather, transposing copy, SDPA's masked kernel).
 """
 
 from __future__ import annotations
@@ -30,8 +33,25 @@ class _PrefillItem:
 class _DecodeGroup:
     rows: torch.Tensor  # [Bd] query row of each decode sequence
     blocks: torch.Tensor  # [Bd, max_blocks]
-    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool: True = attend
+    bias: torch.Tensor  # [Bd, 1, max_blocks * block_size]: 0 to attend, -inf for padding
     max_len: int
+    _plan: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather_plan(self, heads: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index [2 * Bd * KV * max_len], bias [Bd * KV, 1, max_len]), made at the first
+        layer of a step and shared by the rest. Cache row of (block b, K/V s, slot t, head h):
+        ((b * 2 + s) * block_size + t) * KV + h, the cache seen as [rows, D]."""
+        if self._plan is None:
+            nb, max_blocks = self.blocks.shape
+            dev = self.blocks.device
+            s = torch.arange(2, device=dev).view(2, 1, 1, 1, 1)
+            b = self.blocks.view(1, nb, 1, max_blocks, 1)
+            h = torch.arange(heads, device=dev).view(1, 1, heads, 1, 1)
+            t = torch.arange(block_size, device=dev).view(1, 1, 1, 1, block_size)
+            index = ((b * 2 + s) * block_size + t) * heads + h  # [2, Bd, KV, max_blocks, bs]
+            bias = self.bias.repeat_interleave(heads, dim=0)
+            self._plan = (index.reshape(-1), bias)
+        return self._plan
 
 
 class _Workspace:
@@ -113,7 +133,9 @@ class TorchAttentionBackend(AttentionBackend):
         return _DecodeGroup(
             rows=torch.tensor(rows, dtype=torch.long, device=self.device),
             blocks=torch.tensor(padded, dtype=torch.long, device=self.device),
-            mask=(key_pos[None, :] < seq_lens[:, None])[:, None, None, :],
+            bias=torch.zeros(len(lens), 1, max_blocks * bs, device=self.device).masked_fill(
+                (key_pos[None, :] >= seq_lens[:, None])[:, None, :], float("-inf")
+            ),
             max_len=max_blocks * bs,
         )
 
@@ -142,23 +164,29 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[item.start : item.end] = o[0].transpose(0, 1)
-        _, _, bs, heads, dim = kv_cache.shape
         for group in self._decode:
-            nb, max_blocks = group.blocks.shape
-            shape = (nb * max_blocks, 2, bs, heads, dim)
-            gathered = self._work.take("gather", shape, kv_cache.dtype)
-            torch.index_select(kv_cache, 0, group.blocks.view(-1), out=gathered)
-            kv = self._work.take("kv", (2, nb, heads, max_blocks, bs, dim), q.dtype)
-            # [Bd, max_blocks, 2, bs, KV, D] -> [2, Bd, KV, max_blocks, bs, D], one copy
-            kv.copy_(gathered.view(nb, max_blocks, 2, bs, heads, dim).permute(2, 0, 4, 1, 3, 5))
-            kc = kv[0].view(nb, heads, group.max_len, dim)  # [Bd, KV, max_len, D]
-            vc = kv[1].view(nb, heads, group.max_len, dim)
-            qd = q[group.rows].unsqueeze(2)  # [Bd, H, 1, D]
-            o = F.scaled_dot_product_attention(
-                qd, kc, vc, attn_mask=group.mask, scale=scale, enable_gqa=True
-            )
-            out[group.rows] = o[:, :, 0]
+            out[group.rows] = self._decode_attention(q[group.rows], kv_cache, group, scale)
         return out
+
+    def _decode_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
+    ) -> torch.Tensor:  # q: [Bd, H, D] -> [Bd, H, D]
+        """One query row per sequence against its blocks: one gather, two bmm.
+
+        The cache is read as rows of D values; ``group.row_index`` names, for every sequence,
+        KV head and position, the row holding its K (then V), so one ``index_select`` writes
+        them straight into [2, Bd * KV, max_len, D]: a plain batch of matrices. (SDPA needed
+        [Bd, KV, L, D] from a block gather plus a transposing copy, and its masked kernel was
+        slower than two bmm here.)"""
+        _, _, bs, heads, dim = kv_cache.shape
+        nb, per_kv = group.blocks.shape[0], q.shape[1] // heads
+        index, bias = group.gather_plan(heads, bs)
+        kv = self._work.take("kv", (index.numel(), dim), kv_cache.dtype)
+        torch.index_select(kv_cache.view(-1, dim), 0, index, out=kv)
+        kv = kv.view(2, nb * heads, group.max_len, dim).to(q.dtype)  # [2, Bd * KV, L, D]
+        qg = q.reshape(nb * heads, per_kv, dim)  # the G query heads sharing each KV head
+        scores = torch.baddbmm(bias.to(q.dtype), qg, kv[0].transpose(1, 2), alpha=scale)
+        return torch.bmm(scores.softmax(dim=-1), kv[1]).view(nb, -1, dim)  # [Bd, H, D]
 
 
 def _buckets(order: list[int], num_blocks: list[int]) -> list[list[int]]:
