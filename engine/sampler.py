@@ -37,7 +37,7 @@ class Sampler:
 
     def skip_draw(self, generator: torch.Generator, vocab_size: int) -> None:
         """Advance a request's generator past one sampling step taken elsewhere."""
-        torch.empty(vocab_size, device=self.device).exponential_(generator=generator)
+        _exponential(torch.empty(vocab_size, device=self.device), generator)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [B, V] float32, row i belongs to seqs[i]
@@ -62,19 +62,14 @@ class Sampler:
                 logits[i, banned] = float("-inf")
             if not p.has_penalties:
                 continue
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.zeros(vocab, device=logits.device).index_add_(
-                0, out, torch.ones_like(out, dtype=torch.float32)
-            )
+            state = PenaltyState.of(seq, vocab, logits.device)
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                prompt = torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=row.device)
-                seen[prompt] = True
                 penalised = torch.where(
                     row > 0, row / p.repetition_penalty, row * p.repetition_penalty
                 )
-                row = torch.where(seen, penalised, row)
+                row = torch.where(state.seen, penalised, row)
+            counts = state.counts
             row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
             logits[i] = row
         return logits
@@ -94,10 +89,10 @@ class Sampler:
         if bool((min_p > 0).any()):
             floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        q = _exponential(torch.empty_like(probs), self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None and not seq.params.greedy:
-                q[i].exponential_(generator=seq.generator)
+                _exponential(q[i], seq.generator)
         return (probs / q).argmax(dim=-1)
 
     # ---- logprobs -------------------------------------------------------------------------
@@ -128,15 +123,74 @@ class Sampler:
         return result
 
 
+@dataclass
+class PenaltyState:
+    """A sequence's output token counts and seen-token mask (prompt or output), brought up to
+    date with only the tokens added since the last step, not rebuilt from its history."""
+
+    counts: torch.Tensor  # [V] float32: times each token was generated
+    seen: torch.Tensor  # [V] bool: in the prompt or generated (repetition penalty)
+    num_counted: int = 0  # output tokens already in counts
+
+    @classmethod
+    def of(cls, seq: Sequence, vocab: int, device: torch.device) -> PenaltyState:
+        state = seq.penalty
+        if state is None or state.counts.shape[0] != vocab:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=device)] = True
+            state = seq.penalty = cls(torch.zeros(vocab, device=device), seen)
+        new = seq.token_ids[seq.num_prompt_tokens + state.num_counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=device)
+            state.counts.index_add_(0, ids, torch.ones(len(new), device=device))
+            state.seen[ids] = True
+            state.num_counted += len(new)
+        return state
+
+
+def _exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) noise in place, as ``-log(U)``: ``Tensor.exponential_`` takes 36 ns a number on
+    this machine's CPU (55 ms for 32 rows of a 49k vocabulary), uniform + log 6 ns."""
+    return out.uniform_(generator=generator).log_().neg_()
+
+
+CANDIDATES = 64  # top-p looks at this many of a row's largest logits first, then 16x more
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Logits outside each row's top-k, or past its top-p mass, set to -inf.
+
+    Rows that filter nothing stay as they are. The others are cut among their largest
+    logits (``topk``) rather than a sort of the whole vocabulary (159 ms for 32 rows of 49k
+    here): a row is settled once its top-k fits the candidates or the candidates' mass
+    reaches its top-p; rows still open look at 16x more, up to the whole vocabulary."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)
-    position = torch.arange(vocab, device=logits.device)[None, :]
-    cut = position >= k[:, None]
-    probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
-    p = torch.tensor([v if v < 1.0 else float("inf") for v in top_p], device=logits.device)
-    # drop a token once the mass before it already reaches top_p (the first always stays)
-    cut |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    rows = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if 0 < k < vocab or p < 1]
+    if not rows:
+        return logits
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits[idx]  # [R, V]
+    k = torch.tensor([top_k[i] if 0 < top_k[i] < vocab else vocab for i in rows])
+    p = torch.tensor([top_p[i] if top_p[i] < 1.0 else float("inf") for i in rows])
+    k, p = k.to(logits.device), p.to(logits.device)
+    full_lse = sub.logsumexp(dim=-1)  # [R]: the top-p normaliser when top-k keeps everything
+    n = min(vocab, max(CANDIDATES, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0))
+    while True:
+        vals, order = sub.topk(n, dim=-1)  # [R, n], descending
+        position = torch.arange(n, device=logits.device)[None, :]
+        cut = position >= k[:, None]
+        # top-p mass is taken after top-k, as before: over the kept top-k when it is smaller
+        lse = torch.where(k <= n, vals.masked_fill(cut, float("-inf")).logsumexp(-1), full_lse)
+        probs = (vals - lse[:, None]).exp().masked_fill(cut, 0.0)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ahead of each one
+        cut |= before >= p[:, None]  # the first token always stays
+        settled = (k <= n) | (before[:, -1] + probs[:, -1] >= p)
+        if n == vocab or bool(settled.all()):
+            break
+        n = min(vocab, n * 16)
+    kept = torch.full_like(sub, float("-inf")).scatter_(
+        1, order, vals.masked_fill(cut, float("-inf"))
+    )
+    out = logits.clone()
+    out[idx] = kept
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,8 @@ class Sequence:
     num_prompt_tokens: int = field(init=False, default=0)
     # Tokens handed out by earlier step() outputs (so each output carries only new ones).
     num_returned_tokens: int = 0
+    # Sampler state for penalties, kept across steps (engine/sampler.py PenaltyState).
+    penalty: Any = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -29,6 +29,19 @@ def test_penalties_exact_values() -> None:
     torch.testing.assert_close(out, torch.tensor([[1.0, -5.25, -0.25, 0.5, 3.0]]))
 
 
+def test_penalty_counts_kept_across_steps_equal_a_recount() -> None:
+    sampler = Sampler(torch.device("cpu"), 0, eos_token_ids=[])
+    logits = torch.randn(1, 7)
+    kw = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
+    kept = seq([0, 5], [1], **kw)
+    for new in ([2], [1, 3], [], [6]):  # steps append tokens; the state catches up with them
+        kept.token_ids += new
+        fresh = seq([0, 5], kept.output_token_ids, **kw)
+        got = sampler._apply_penalties(logits.clone(), [kept])
+        assert torch.equal(got, sampler._apply_penalties(logits.clone(), [fresh]))
+    assert kept.penalty.num_counted == 5 and kept.penalty.counts.tolist()[1] == 2.0
+
+
 def test_min_tokens_bans_eos_and_stop_tokens() -> None:
     sampler = Sampler(torch.device("cpu"), 0, eos_token_ids=[4])
     logits = torch.zeros(1, 5)
@@ -137,3 +150,34 @@ def test_invalid_params_are_rejected() -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def _top_k_top_p_by_sorting(logits: torch.Tensor, top_k: list[int], top_p: list[float]):
+    """The reference: a full sort of every row (what the sampler did before)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k])
+    cut = torch.arange(vocab)[None, :] >= k[:, None]
+    probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
+    p = torch.tensor([v if v < 1.0 else float("inf") for v in top_p])
+    cut |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(cut, -torch.inf))
+
+
+def test_top_k_top_p_without_a_full_sort_keeps_exactly_what_sorting_keeps() -> None:
+    from engine.sampler import _top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 5000
+    # peaked rows settle among 64 candidates; flat ones need 16x more or the whole row
+    scales = [8.0, 3.0, 0.5, 0.01, 8.0, 1.0, 0.1, 2.0]
+    logits = torch.cat([torch.randn(1, vocab, generator=g) * s for s in scales])
+    top_k = [0, 50, 0, 0, 3000, 0, 7, 0]
+    top_p = [0.9, 0.95, 0.99, 0.5, 1.0, 1.0, 0.3, 1.0]
+    got = _top_k_top_p(logits, top_k, top_p)
+    want = _top_k_top_p_by_sorting(logits, top_k, top_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+    kept = (~got.isinf()).sum(dim=-1).tolist()
+    assert kept[4] == 3000 and kept[6] <= 7 and kept[5] == kept[7] == vocab  # untouched rows
+    assert 64 < kept[2] < vocab  # a flat row whose cut lies past the first candidates
