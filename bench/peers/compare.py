@@ -106,7 +106,8 @@ def bench_once(url: str, model: str, c: int, args: argparse.Namespace, out: Path
     cmd += [f"--num-prompts={c * args.prompts_per_client}", f"--max-concurrency={c}"]
     cmd += ["--request-rate=inf", f"--warmup={min(c, 4)}", "--no-progress", f"--save-result={out}"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    row = json.loads(out.read_text())["rows"][0]
+    saved = json.loads(out.read_text())  # one row as it is; a sweep as {"rows": [...]}
+    row = saved["rows"][0] if "rows" in saved else saved
     return {k: row[k] for k in (*METRICS, "completed", "failed")}
 
 
@@ -155,8 +156,11 @@ def table(report: dict) -> str:
             cells = []
             for s in ("colocated", "disagg"):
                 r = res.get(s, {}).get(c)
+                if r is None:
+                    cells.append("-")
+                    continue
                 ratio = f" ({r['output_throughput'] / v['output_throughput']:.2f}x)" if v else ""
-                cells.append(f"{r['output_throughput']:.1f}{ratio}" if r else "-")
+                cells.append(f"{r['output_throughput']:.1f}{ratio}")
             tpot = " / ".join(
                 f"{res[s][c]['median_tpot_ms']:.1f}" if c in res.get(s, {}) else "-"
                 for s in SERVERS
