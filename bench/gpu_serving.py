@@ -137,8 +137,7 @@ def _receiver_main(conn, backend: str, device: int) -> None:
         conn.send(receiver.address)
         while (msg := conn.recv()) is not None:
             rid, src_ids, dst_ids = msg
-            receiver.expect(rid, dst_ids, 60.0)
-            conn.send("ready")
+            conn.send(receiver.expect(rid, dst_ids, 60.0))  # ready: the transfer secret
             deadline = time.monotonic() + 60
             while not (state := receiver.poll(rid)).finished and time.monotonic() < deadline:
                 time.sleep(0.0002)
@@ -182,9 +181,10 @@ def _transfers(backend: str, receiver_device: int) -> list[tuple[str, float, boo
                     dst_ids = torch.randperm(BLOCKS, generator=g)[:SENT].tolist()
                 rid = f"{backend}-{i}"
                 conn.send((rid, src_ids, dst_ids))
-                conn.recv()
+                secret = conn.recv()
                 start = time.perf_counter()
-                sender.send(TransferSpec(rid, src_ids, dst_ids, address, 60.0), src)
+                spec = TransferSpec(rid, src_ids, dst_ids, address, 60.0, secret=secret)
+                sender.send(spec, src)
                 while not (state := sender.poll(rid)).finished:
                     time.sleep(0.0001)
                 seconds = time.perf_counter() - start

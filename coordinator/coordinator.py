@@ -6,7 +6,14 @@ Route of one choice (``(request_id, choice)``)::
        │ (colocated pool: PrefillJob        │ Reserved(error)  │ Finished (token 0 ended it):
        │  straight to one worker ─▶ local)  ▼ 503 to gateway   ▼ Abort the decode reservation
     Abort from the gateway, RequestError from a worker, or a worker's death: every worker the
-    route touches gets an Abort; the gateway hears a RequestError (unless it asked).
+    route touches gets an Abort, and the request's gateway a RequestError (it drops the ones
+    for requests it ended itself), so no Abort, genuine or forged, leaves a stream silent.
+
+Every wait has a bound: a decode worker that does not answer ``Reserve`` within
+``reserve_timeout_s`` (or refuses it) is passed over for another one; a prefill job with no
+``TransferDone`` within ``prefill_timeout_s`` moves to another prefill worker. With no other
+worker the request fails (503), logged with its id. A request that can never fit the largest
+decode worker's whole KV cache fails at once (400), not with a retryable 503.
 
 ``Coordinator`` has no sockets: ``handle`` takes a message, ``tick`` expires dead workers,
 and everything it says goes through a ``CoordinatorOutbox``.
@@ -17,7 +24,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from coordinator.registry import WorkerRegistry
+from coordinator.capacity import too_big
+from coordinator.recovery import Recovery
+from coordinator.registry import Worker, WorkerRegistry
 from coordinator.routes import Key, Route, RouteTable
 from kvtransfer.base import LayoutMismatchError
 from protocol import messages as m
@@ -33,14 +42,33 @@ class CoordinatorOutbox(Protocol):
     def forget_worker(self, worker_id: str) -> None: ...
 
 
-class Coordinator:
-    def __init__(self, outbox: CoordinatorOutbox, heartbeat_timeout_s: float = 5.0) -> None:
+class Coordinator(Recovery):
+    def __init__(
+        self,
+        outbox: CoordinatorOutbox,
+        heartbeat_timeout_s: float = 5.0,
+        *,
+        reserve_timeout_s: float = 5.0,
+        prefill_timeout_s: float = 120.0,
+    ) -> None:
+        for name, value in (("reserve", reserve_timeout_s), ("prefill", prefill_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"the {name} timeout must be > 0 s, got {value}")
         self.outbox = outbox
         self.registry = WorkerRegistry(heartbeat_timeout_s)
         self.routes = RouteTable()
+        self.reserve_timeout_s = reserve_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
+        # workers that let a reservation or a prefill job time out -> when; passed over for
+        # new work until they answer again or ``SILENT_HOLD_S`` has passed
+        self.silent: dict[str, float] = {}
+        self._now = 0.0
 
     # ---- messages ---------------------------------------------------------------------------
-    def handle(self, msg: m.Message, now: float) -> None:
+    def handle(self, msg: m.Message, now: float, sender: str = "") -> None:
+        """``sender``: the CURVE identity the message came with (``protocol.security``)."""
+        if not self.registry.admit(msg, sender):
+            return
         handler = {
             m.Register: self._register,
             m.Heartbeat: lambda hb, t: self.registry.heartbeat(hb, t),
@@ -57,51 +85,8 @@ class Coordinator:
         if handler is None:
             logger.warning("coordinator ignores %s", type(msg).__name__)
             return
+        self._now = now
         handler(msg, now)
-
-    def tick(self, now: float) -> None:
-        for worker in self.registry.expire(now):
-            self.outbox.forget_worker(worker.worker_id)
-            self._reroute_from(worker.worker_id)
-
-    def _reroute_from(self, worker_id: str) -> None:
-        for key, route in list(self.routes.items()):
-            if key in self.routes and worker_id in (route.decode, route.prefill):
-                self._worker_lost(key, route, worker_id)
-
-    def _worker_lost(self, key: Key, route: Route, worker_id: str) -> None:
-        """Work the dead worker had not started goes elsewhere; started work fails (503)."""
-        req = route.request
-        if route.state == "reserving" and route.decode == worker_id:
-            self.routes.pop(key)
-            self._reserve(req, route.choice)
-        elif route.state == "prefilling" and route.prefill == worker_id:
-            # the decode reservation still stands: prefill again on another worker
-            prefill = self.registry.pick_prefill(req.model, len(req.prompt_token_ids))
-            if prefill is None or route.job is None:
-                self._fail(key, 503, f"worker {worker_id} stopped responding")
-                return
-            logger.info("request %s#%d: prefill moves to %s", key[0], key[1], prefill.worker_id)
-            route.prefill = prefill.worker_id
-            self._send(prefill.worker_id, route.job)
-        elif route.state in ("decoding", "local"):
-            # tokens are streaming: the gateway may resume this choice on another worker
-            self.routes.pop(key)
-            other = {route.decode, route.prefill} - {"", worker_id}
-            for wid in other:
-                self._send(wid, m.Abort(key[0], "worker lost", key[1]))
-            self.outbox.to_gateway(
-                req.stream_address,
-                m.RequestError(
-                    key[0],
-                    503,
-                    f"worker {worker_id} stopped responding",
-                    key[1],
-                    retryable=True,
-                ),
-            )
-        else:
-            self._fail(key, 503, f"worker {worker_id} stopped responding")
 
     def _register(self, info: m.Register, now: float) -> None:
         known = self.registry.workers.get(info.worker_id)
@@ -129,6 +114,10 @@ class Coordinator:
         if not reg.ready(req.model):
             self._error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
             return
+        error = too_big(reg, req)
+        if error is not None:
+            self._error_to(req, 400, error)
+            return
         if req.resume_choice is not None:
             self._resume(req)
             return
@@ -138,16 +127,23 @@ class Coordinator:
             elif not self._reserve(req, choice):
                 return
 
-    def _reserve(self, req: m.Generate, choice: int) -> bool:
-        """Ask the decode worker with the most room to hold blocks for this choice."""
+    def _reserve(
+        self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""
+    ) -> bool:
+        """Ask the decode worker with the most room (none of ``tried``, none silent) to hold
+        blocks for this choice; ``why`` the last one did not."""
         bs = self._block_size(req.model)
         need = -(-(len(req.prompt_token_ids) + 1) // bs)
-        worker = self.registry.pick_decode(req.model, need)
+        tried = tried or set()
+        worker = self.registry.pick_decode_avoiding(req.model, need, tried | self._silent())
         if worker is None:
             key = (req.request_id, choice)
-            self._fail(key, 503, "no decode worker has free KV blocks for this prompt", req)
+            message = "no decode worker has free KV blocks for this prompt"
+            self._fail(key, 503, f"{why}; {message}" if why else message, req)
             return False
-        self.routes.add(Route(req, choice, "reserving", decode=worker.worker_id))
+        route = Route(req, choice, "reserving", decode=worker.worker_id, since=self._now)
+        route.need, route.tried = need, tried
+        self.routes.add(route)
         msg = m.Reserve(
             req.request_id, req.prompt_token_ids, req.sampling, req.n, req.stream_address, choice
         )
@@ -203,19 +199,26 @@ class Coordinator:
     def _reserved(self, msg: m.Reserved, now: float) -> None:
         key = (msg.request_id, msg.choice)
         route = self.routes.get(key)
-        if route is None or route.state != "reserving":
-            # aborted meanwhile: give the blocks back
-            self._send(msg.worker_id, m.Abort(msg.request_id, "no longer wanted", msg.choice))
+        self.silent.pop(msg.worker_id, None)
+        in_flight = self._reserving_on(msg.worker_id, but=key)
+        self.registry.free_blocks_answered(msg.worker_id, msg.free_blocks, in_flight)
+        if route is None or route.state != "reserving" or route.decode != msg.worker_id:
+            # aborted meanwhile, or a late answer after the choice moved: give the blocks back
+            if msg.error is None:
+                self._send(msg.worker_id, m.Abort(msg.request_id, "no longer wanted", msg.choice))
             return
         if msg.error is not None:
-            self._fail(key, 503, f"decode worker {msg.worker_id} could not reserve: {msg.error}")
+            why = f"decode worker {msg.worker_id} could not reserve: {msg.error}"
+            logger.info("request %s#%d: %s", key[0], key[1], why)
+            self.routes.pop(key)
+            self._reserve(route.request, route.choice, route.tried | {msg.worker_id}, why)
             return
         req = route.request
-        prefill = self.registry.pick_prefill(req.model, len(req.prompt_token_ids))
+        prefill = self._pick_prefill(req, set())
         if prefill is None:
             self._fail(key, 503, f"model {req.model} has no prefill worker")
             return
-        route.state, route.prefill = "prefilling", prefill.worker_id
+        route.state, route.prefill, route.since = "prefilling", prefill.worker_id, self._now
         self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, msg.choice))
         route.job = m.PrefillJob(
             req.request_id,
@@ -227,6 +230,7 @@ class Coordinator:
             msg.transfer_address,
             req.stream_address,
             msg.choice,
+            transfer_secret=msg.transfer_secret,
         )
         self._send(prefill.worker_id, route.job)
 
@@ -248,17 +252,33 @@ class Coordinator:
         self.routes.pop(key)
 
     def _abort(self, msg: m.Abort, now: float) -> None:
-        for key in self.routes.keys_of(msg.request_id, msg.choice):
-            route = self.routes.pop(key)
-            for worker_id in {route.decode, route.prefill} - {""}:
-                self._send(worker_id, m.Abort(msg.request_id, msg.reason, route.choice))
+        gateways = self._drop(msg.request_id, msg.choice, msg.reason)
+        # The gateway that asked has dropped the request and ignores this; one that did not
+        # ask (an Abort from anyone else) must end its stream, not wait on it.
+        error = m.RequestError(msg.request_id, 503, f"aborted: {msg.reason}", msg.choice)
+        for address in gateways:
+            logger.info("request %s: aborted (%s)", msg.request_id, msg.reason)
+            self.outbox.to_gateway(address, error)
 
     def _worker_error(self, msg: m.RequestError, now: float) -> None:
-        # the worker told the gateway already; stop the other side of every choice
-        for key in self.routes.keys_of(msg.request_id, None):
+        # A worker tells the gateway itself; it hears it from here too (the second copy is
+        # dropped), so an error sent only to the coordinator never leaves a stream silent.
+        gateways = self._drop(msg.request_id, None, msg.message)
+        error = m.RequestError(msg.request_id, msg.status, msg.message)
+        for address in gateways:
+            logger.info("request %s: %d %s", msg.request_id, msg.status, msg.message)
+            self.outbox.to_gateway(address, error)
+
+    def _drop(self, request_id: str, choice: int | None, reason: str) -> set[str]:
+        """Abort the routes of a request (one choice, or all) on every worker they touch;
+        the gateways that were waiting on them."""
+        gateways = set()
+        for key in self.routes.keys_of(request_id, choice):
             route = self.routes.pop(key)
+            gateways.add(route.request.stream_address)
             for worker_id in {route.decode, route.prefill} - {""}:
-                self._send(worker_id, m.Abort(msg.request_id, msg.message, route.choice))
+                self._send(worker_id, m.Abort(request_id, reason, route.choice))
+        return gateways
 
     # ---- helpers ----------------------------------------------------------------------------
     def _fail(self, key: Key, status: int, message: str, req: m.Generate | None = None) -> None:
@@ -276,6 +296,18 @@ class Coordinator:
     def _error_to(self, req: m.Generate, status: int, message: str) -> None:
         logger.info("request %s: %d %s", req.request_id, status, message)
         self.outbox.to_gateway(req.stream_address, m.RequestError(req.request_id, status, message))
+
+    def _reserving_on(self, worker_id: str, but: Key) -> int:
+        """Blocks asked of ``worker_id`` by reservations it has not answered yet, but ``but``."""
+        return sum(
+            r.need
+            for k, r in self.routes.items()
+            if r.state == "reserving" and r.decode == worker_id and k != but
+        )
+
+    def _pick_prefill(self, req: m.Generate, tried: set[str]) -> Worker | None:
+        avoid = tried | self._silent()
+        return self.registry.pick_prefill_avoiding(req.model, len(req.prompt_token_ids), avoid)
 
     def _send(self, worker_id: str, msg: m.Message) -> None:
         worker = self.registry.workers.get(worker_id)

@@ -10,19 +10,31 @@ import time
 import zmq
 
 from coordinator.coordinator import Coordinator
+from coordinator.trust import RateLimitedLog
 from engine import envs
+from protocol import security
+from protocol.codec import Message
 from protocol.loop import PushOutbox, serve, stop_on_signals
 from protocol.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 
+GATEWAY_IDLE_S = 30.0  # a gateway hellos every second: one silent this long is gone
+
 
 class _Outbox(PushOutbox):
-    def __init__(self, ctx: zmq.Context) -> None:
+    """Sockets to workers (one per registered worker) and to gateways: at most
+    ``max_gateways`` of them, each closed once silent for ``GATEWAY_IDLE_S``, so a flood of
+    ``GatewayHello`` with made-up addresses cannot use up this process's sockets."""
+
+    def __init__(self, ctx: zmq.Context, max_gateways: int = 64) -> None:
         super().__init__(ctx)
         self.worker_addresses: dict[str, str] = {}
+        self.max_gateways = max_gateways
+        self.gateways: dict[str, float] = {}  # stream address -> last message sent there
+        self._refused = RateLimitedLog()
 
-    def to_worker(self, worker_id: str, address: str, msg) -> None:
+    def to_worker(self, worker_id: str, address: str, msg: Message) -> None:
         self.worker_addresses[worker_id] = address
         self.send(address, msg)
 
@@ -30,6 +42,25 @@ class _Outbox(PushOutbox):
         address = self.worker_addresses.pop(worker_id, None)
         if address is not None:
             self.forget(address)
+
+    def to_gateway(self, address: str, msg: Message) -> None:
+        if address not in self.gateways and len(self.gateways) >= self.max_gateways:
+            self._refused.error(
+                "gateways",
+                "refused %s to gateway %s: %d gateways are connected already (--max-gateways)",
+                type(msg).__name__,
+                address,
+                len(self.gateways),
+            )
+            return
+        self.gateways[address] = time.monotonic()
+        self.send(address, msg)
+
+    def expire_gateways(self, now: float) -> None:
+        for address, seen in list(self.gateways.items()):
+            if now - seen > GATEWAY_IDLE_S:
+                del self.gateways[address]
+                self.forget(address)
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
@@ -40,16 +71,38 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds")
     parser.add_argument(
+        "--reserve-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a decode worker has to answer a reservation before another is asked",
+    )
+    parser.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a prefill job has to finish its KV transfer before it moves elsewhere",
+    )
+    parser.add_argument(
+        "--max-gateways", type=int, default=64, help="gateways served at once (the rest wait)"
+    )
+    parser.add_argument(
         "--address-file", default=None, help="write the bound inbox address here once listening"
     )
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    ctx = zmq.Context()
+    if args.max_gateways < 1:
+        raise SystemExit("pdserve coordinator: --max-gateways must be at least 1")
+    ctx = security.context(security.from_env())
     inbox = make_socket(ctx, zmq.PULL, args.bind, bind=True)
     address = bound_address(inbox)
-    outbox = _Outbox(ctx)
-    coordinator = Coordinator(outbox, args.heartbeat_timeout)
+    outbox = _Outbox(ctx, args.max_gateways)
+    coordinator = Coordinator(
+        outbox,
+        args.heartbeat_timeout,
+        reserve_timeout_s=args.reserve_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+    )
     if args.address_file:
         tmp = f"{args.address_file}.tmp"
         with open(tmp, "w") as f:
@@ -58,15 +111,21 @@ def run_coordinator(args: argparse.Namespace) -> int:
     log.info("coordinator listening on %s", address)
     print(f"coordinator inbox: {address}", flush=True)
     stop = stop_on_signals()
+
+    def periodic(now: float) -> None:
+        coordinator.tick(now)
+        outbox.expire_gateways(now)
+
     try:
         serve(
             inbox,
-            lambda msg: coordinator.handle(msg, time.monotonic()),
+            lambda msg, sender: coordinator.handle(msg, time.monotonic(), sender),
             lambda: False,
-            coordinator.tick,
+            periodic,
             stop,
             period_s=0.5,
             idle_wait_ms=50,
+            with_sender=True,
         )
     finally:
         outbox.close()

@@ -8,8 +8,10 @@ heartbeat replaces both with the worker's own figures.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from coordinator.trust import RateLimitedLog, heartbeat_problem, register_problem
 from kvtransfer.base import LayoutMismatchError, check_layouts
 from protocol import messages as m
 
@@ -44,6 +46,62 @@ class Worker:
 class WorkerRegistry:
     heartbeat_timeout_s: float = 5.0
     workers: dict[str, Worker] = field(default_factory=dict)
+    # worker id -> the CURVE identity (z85 public key) that registered it; "" when insecure
+    owners: dict[str, str] = field(default_factory=dict)
+    refusals: RateLimitedLog = field(default_factory=RateLimitedLog)
+
+    def admit(self, msg: m.Message, sender: str) -> bool:
+        """Whether ``sender`` may say ``msg``: a live worker id speaks only with the key that
+        registered it, and its numbers must fit what it registered. Refusals are logged."""
+        if isinstance(msg, m.Register):
+            return self._admit_register(msg, sender)
+        worker_id = getattr(msg, "worker_id", None)
+        if not isinstance(msg, (m.Heartbeat, m.Reserved, m.Finished)) or worker_id is None:
+            return True
+        owner = self.owners.get(worker_id)
+        if owner is not None and owner != sender:
+            self.refusals.error(
+                f"impostor {type(msg).__name__} {worker_id} {sender}",
+                "refused %s for worker %s from key %s: the worker registered with key %s",
+                type(msg).__name__,
+                worker_id,
+                sender or "(none)",
+                owner or "(none)",
+            )
+            return False
+        known = self.workers.get(worker_id)
+        if isinstance(msg, (m.Heartbeat, m.Reserved)) and known is not None:
+            problem = heartbeat_problem(msg, known.info.num_blocks)
+            if problem is not None:
+                self.refusals.error(
+                    f"heartbeat {worker_id} {problem.split('=')[0]}",
+                    "refused a %s of %s: %s",
+                    "heartbeat" if isinstance(msg, m.Heartbeat) else "reservation",
+                    worker_id,
+                    problem,
+                )
+                return False
+        return True
+
+    def _admit_register(self, info: m.Register, sender: str) -> bool:
+        problem = register_problem(info)
+        if problem is not None:
+            self.refusals.error(
+                f"register {info.worker_id}", "refusing worker %s: %s", info.worker_id, problem
+            )
+            return False
+        owner = self.owners.get(info.worker_id)
+        if info.worker_id in self.workers and owner is not None and owner != sender:
+            self.refusals.error(
+                f"impostor {info.worker_id} {sender}",
+                "refused Register of live worker %s from key %s: it registered with key %s",
+                info.worker_id,
+                sender or "(none)",
+                owner or "(none)",
+            )
+            return False
+        self.owners[info.worker_id] = sender
+        return True
 
     def register(self, info: m.Register, now: float) -> None:
         """Add (or re-add) a worker; ``LayoutMismatchError`` if its KV blocks cannot be
@@ -83,6 +141,7 @@ class WorkerRegistry:
         for w in dead:
             logger.warning("worker %s (%s) missed its heartbeats", w.worker_id, w.info.role)
             del self.workers[w.worker_id]
+            self.owners.pop(w.worker_id, None)  # a dead id may be taken by any key again
         return dead
 
     # ---- pairing ---------------------------------------------------------------------------
@@ -147,3 +206,47 @@ class WorkerRegistry:
             for w in self.workers.values()
         ]
         return m.ClusterState(sorted(models.values(), key=lambda s: s.name), workers)
+
+    # ---- added for reservation answers and timeouts (coordinator.coordinator) --------------
+    def pick_decode_avoiding(
+        self, model: str, need_blocks: int, avoid: Collection[str]
+    ) -> Worker | None:
+        """``pick_decode`` among the workers not in ``avoid`` (refused, or never answered)."""
+        pool = [
+            w
+            for w in self._serving(model)
+            if w.can_decode and w.free_blocks >= need_blocks and w.worker_id not in avoid
+        ]
+        if not pool:
+            return None
+        best = max(pool, key=lambda w: (w.free_blocks, -w.running))
+        best.free_blocks -= need_blocks
+        return best
+
+    def pick_prefill_avoiding(
+        self, model: str, prompt_tokens: int, avoid: Collection[str]
+    ) -> Worker | None:
+        """``pick_prefill`` among the workers not in ``avoid``."""
+        pool = [w for w in self._serving(model) if w.info.role == "prefill"]
+        pool = [w for w in pool if w.worker_id not in avoid]
+        if not pool:
+            return None
+        best = min(pool, key=lambda w: w.queued_prompt_tokens)
+        best.queued_prompt_tokens += prompt_tokens
+        return best
+
+    def decode_capacity(self, model: str) -> tuple[int, int]:
+        """(blocks, block size) of the largest decode-capable worker of ``model``: what one
+        request can ever hold. (0, 1) when none serves it."""
+        pool = [w for w in self.workers.values() if w.info.model == model and w.can_decode]
+        if not pool:
+            return 0, 1
+        best = max(pool, key=lambda w: w.info.num_blocks)
+        return best.info.num_blocks, best.info.layout.block_size
+
+    def free_blocks_answered(self, worker_id: str, free_blocks: int, in_flight: int) -> None:
+        """A decode worker's own free count in a ``Reserved``, less the blocks of reservations
+        sent to it and not answered yet (``in_flight``), replaces the estimate."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and 0 <= free_blocks <= worker.info.num_blocks:
+            worker.free_blocks = max(0, free_blocks - in_flight)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol import messages as m
 
@@ -18,6 +18,9 @@ class Route:
     decode: str = ""
     prefill: str = ""
     job: m.PrefillJob | None = None  # kept to re-send if its prefill worker dies
+    since: float = 0.0  # when it entered its state (reserving and prefilling time out)
+    need: int = 0  # decode blocks asked for while reserving
+    tried: set[str] = field(default_factory=set)  # workers that refused or never answered
 
 
 class RouteTable(Mapping[Key, Route]):

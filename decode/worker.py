@@ -94,16 +94,22 @@ class DecodeWorker:
         except (ValueError, NoFreeBlocks) as e:
             self.outbox.to_coordinator(self._reserved(msg, [], str(e)))
             return
+        secret = b""  # the sender must present it (kvtransfer.base.KVReceiver.expect)
         if self.receiver is not None:
             # the KV of the prompt fills the leading blocks; the last one is for token 0 on
             prompt_blocks = self.engine.block_manager.blocks_needed(len(msg.prompt_token_ids))
-            self.receiver.expect(key, ids[:prompt_blocks], self.transfer_timeout_s)
+            secret = self.receiver.expect(key, ids[:prompt_blocks], self.transfer_timeout_s)
         self.reserved[key] = choice
-        self.outbox.to_coordinator(self._reserved(msg, ids, None))
+        self.outbox.to_coordinator(self._reserved(msg, ids, None, secret))
 
-    def _reserved(self, msg: m.Reserve, ids: list[int], error: str | None) -> m.Reserved:
+    def _reserved(
+        self, msg: m.Reserve, ids: list[int], error: str | None, secret: bytes = b""
+    ) -> m.Reserved:
         address = self.receiver.address if self.receiver is not None else ""
-        return m.Reserved(msg.request_id, self.worker_id, ids, address, error, msg.choice)
+        free = self.engine.block_manager.num_free_blocks  # the coordinator's estimate follows it
+        return m.Reserved(
+            msg.request_id, self.worker_id, ids, address, error, msg.choice, free, secret
+        )
 
     def _transfer_done(self, msg: m.TransferDone) -> None:
         key = engine_key(msg.request_id, msg.choice)

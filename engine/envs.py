@@ -33,3 +33,23 @@ def coordinator_bind() -> str:
 def api_key(env: Mapping[str, str] = os.environ) -> str | None:
     """``PDSERVE_API_KEY``: one more key the gateway accepts (blank: none)."""
     return env.get(API_KEY, "").strip() or None
+
+
+KEYS = "PDSERVE_KEYS"
+KEY_NAME = "PDSERVE_KEY_NAME"
+INSECURE = "PDSERVE_INSECURE"
+
+
+def keys_dir(env: Mapping[str, str] = os.environ) -> str | None:
+    """``PDSERVE_KEYS``: the cluster's CURVE keys directory (``pdserve keygen``)."""
+    return env.get(KEYS) or None
+
+
+def key_name(env: Mapping[str, str] = os.environ) -> str | None:
+    """``PDSERVE_KEY_NAME``: which identity in ``PDSERVE_KEYS`` this process is."""
+    return env.get(KEY_NAME) or None
+
+
+def insecure(env: Mapping[str, str] = os.environ) -> bool:
+    """``PDSERVE_INSECURE=1``: no CURVE on internal sockets (anyone who reaches them owns them)."""
+    return env.get(INSECURE, "") not in ("", "0")

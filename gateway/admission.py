@@ -1,17 +1,22 @@
 """What a request must pass before the app sees it, as one ASGI middleware::
 
     /v1/*                          API key (401)  ->  not draining (503)
-    POST /v1/{chat/,}completions   in-flight slot (429)  ->  JSON content type (415)
-                                   ->  body within the limit (413), read here and replayed
+    POST /v1/{chat/,}completions   JSON content type (415)  ->  body within the limit (413)
+                                   and the body timeout (408), read here and replayed
+                                   ->  in-flight slot (429)
 
-Every refusal is an OpenAI error body; 429 and 503 carry ``Retry-After``. A generation request
-holds its slot until its response (a whole stream) has been sent, so the in-flight count is what
-a graceful drain waits for. ``/health``, ``/metrics`` and ``/openapi.json`` stay open.
+Every refusal is an OpenAI error body, logged; 429 and 503 carry ``Retry-After``. The slot is
+taken once the body is in: a client that sends its body slowly holds a connection (bounded by
+the server's connection cap and the body timeout), never a slot. A generation request holds its
+slot until its response (a whole stream) has been sent, so the in-flight count is what a
+graceful drain waits for. ``/health``, ``/metrics`` and ``/openapi.json`` stay open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.config import GatewayConfig
 from gateway.errors import (
     OpenAIError,
+    body_timeout,
     body_too_large,
     draining,
     error_response,
@@ -31,6 +37,8 @@ from gateway.errors import (
 
 if TYPE_CHECKING:
     from gateway.generation import Generation
+
+log = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -93,11 +101,8 @@ class Admission:
         path: str = scope["path"]
         error = self._gate(scope) if path == "/v1" or path.startswith("/v1/") else None
         if error is None and path in GENERATE_PATHS:
-            if self.state.in_flight >= self.config.max_pending_requests:
-                error = overloaded(self.config.max_pending_requests)
-            else:
-                await self._generate(scope, receive, send)
-                return
+            await self._generate(scope, receive, send)
+            return
         if error is not None:
             await self._reject(error, scope, receive, send)
             return
@@ -112,20 +117,29 @@ class Admission:
         return draining() if self.state.draining else None
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)  # the router answers 405
+            return
+        body = None
+        error = _content_type_error(_header(scope, b"content-type"))
+        if error is None:
+            try:
+                async with asyncio.timeout(self.config.body_timeout_s):
+                    body, error = await self._read_body(scope, receive)
+            except TimeoutError:
+                error = body_timeout(self.config.body_timeout_s)
+        if error is None and body is None:
+            return  # the client left while sending its body: nobody to answer
+        if error is None and self.state.draining:
+            error = draining()
+        if error is None and self.state.in_flight >= self.config.max_pending_requests:
+            error = overloaded(self.config.max_pending_requests)
+        if error is not None:
+            await self._reject(error, scope, receive, send)
+            return
         self.state.in_flight += 1
         try:
-            if scope["method"] != "POST":
-                await self.app(scope, receive, send)  # the router answers 405
-                return
-            body = None
-            error = _content_type_error(_header(scope, b"content-type"))
-            if error is None:
-                body, error = await self._read_body(scope, receive)
-            if error is not None:
-                await self._reject(error, scope, receive, send)
-            elif body is not None:
-                await self.app(scope, _replay(body, receive), send)
-            # else the client left while sending its body: nobody to answer
+            await self.app(scope, _replay(body or b"", receive), send)
         finally:
             self.state.in_flight -= 1
 
@@ -151,6 +165,16 @@ class Admission:
                 return b"".join(chunks), None
 
     async def _reject(self, error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope.get("client") or ("?", 0)
+        log.info(
+            "%s %s from %s:%s refused: %d %s",
+            scope["method"],
+            scope["path"],
+            client[0],
+            client[1],
+            error.status,
+            error.message,
+        )
         if self.on_reject is not None:
             self.on_reject(scope["path"], error)
         await error_response(error)(scope, receive, send)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from engine.tokenizer import Tokenizer
@@ -31,7 +32,9 @@ from gateway.generation import Generation
 from gateway.jobs import Job, prepare_chat, prepare_completion
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
-from gateway.stream import collect, error_body, stream_events
+from gateway.stream import BoundedStreamingResponse, collect, error_body, stream_events
+
+log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
@@ -99,16 +102,31 @@ def create_app(
         return tokenizer, info
 
     async def serve(job: Job, tokenizer: Tokenizer, request: Request) -> Response:
-        gen = Generation(backend, tokenizer, job, metrics, timeout_s=config.timeout_s)
+        gen = Generation(
+            backend,
+            tokenizer,
+            job,
+            metrics,
+            timeout_s=config.timeout_s,
+            idle_s=config.idle_timeout_s,
+            max_backlog=config.max_stream_backlog,
+        )
         admission.generations.add(gen)
         try:
             await gen.start()
         except BackendError as e:
-            raise from_backend(e) from e
+            error = from_backend(e)
+            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
+            raise error from e
+        except OpenAIError as e:  # the request timeout passed while it was being placed
+            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
+            raise
         if job.stream:
             # The background close aborts a stream the server never began to iterate.
-            return StreamingResponse(
+            return BoundedStreamingResponse(
                 stream_events(gen),
+                send_timeout_s=config.stream_send_timeout_s,
+                on_cut=gen.close,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
                 background=BackgroundTask(gen.close),
@@ -181,7 +199,9 @@ async def complete(gen: Generation, request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     error = work.exception()
     if error is not None:
-        return error_response(error_body(error))  # counted by the generation, not on_error
+        body = error_body(error)
+        log.warning("request %s: %d %s", gen.job.response_id, body.status, body.message)
+        return error_response(body)  # counted by the generation, not on_error
     return JSONResponse(work.result())
 
 

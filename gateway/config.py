@@ -15,6 +15,12 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_MAX_PENDING_REQUESTS = 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 180.0
+DEFAULT_STREAM_SEND_TIMEOUT_S = 30.0
+DEFAULT_MAX_STREAM_BACKLOG = 4096
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 2048
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,14 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # 0: stop at once on SIGTERM
     api_keys: tuple[str, ...] = ()  # empty: /v1/* is open
+    # a stream with no event from the cluster this long ends with an error (0: no limit)
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    # an SSE write the client does not take within this long cuts the stream off
+    stream_send_timeout_s: float = DEFAULT_STREAM_SEND_TIMEOUT_S
+    max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG  # events waiting for a slow reader
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a connection's request headers
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a generation request's whole body
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # beyond it, new requests get 503
 
     def __post_init__(self) -> None:
         if not self.request_timeout_s >= 0:
@@ -34,6 +48,19 @@ class GatewayConfig:
             raise ValueError(f"max body bytes must be >= 1, got {self.max_body_bytes}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain timeout must be >= 0 s, got {self.drain_timeout_s}")
+        if not self.stream_idle_timeout_s >= 0:
+            raise ValueError(
+                f"stream idle timeout must be >= 0 s, got {self.stream_idle_timeout_s}"
+            )
+        for name in ("stream_send_timeout_s", "header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name.replace('_', ' ')[:-2]} must be > 0 s, got {value}")
+        for name in ("max_stream_backlog", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}"
+                )
         for key in self.api_keys:
             if not key or any(c.isspace() for c in key) or not key.isprintable():
                 raise ValueError("an API key must be non-empty printable text without spaces")
@@ -41,6 +68,10 @@ class GatewayConfig:
     @property
     def timeout_s(self) -> float | None:
         return self.request_timeout_s or None
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        return self.stream_idle_timeout_s or None
 
 
 def load_api_keys(
@@ -99,6 +130,46 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         f"prefer --api-key-file or ${API_KEY_ENV})",
     )
     parser.add_argument("--api-key-file", help="a file of API keys, one per line")
+    parser.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="end a generation that got nothing from the cluster for this long (0: off)",
+    )
+    parser.add_argument(
+        "--stream-send-timeout",
+        type=float,
+        default=DEFAULT_STREAM_SEND_TIMEOUT_S,
+        metavar="SECONDS",
+        help="cut off a streaming client that takes no data for this long",
+    )
+    parser.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=DEFAULT_MAX_STREAM_BACKLOG,
+        help="token events held for a slow streaming client before it is cut off",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request headers take longer than this",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="answer 408 to a request whose body takes longer than this",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open HTTP connections; beyond it, requests get 503",
+    )
 
 
 def config_from_args(
@@ -111,4 +182,10 @@ def config_from_args(
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         api_keys=load_api_keys(args.api_key, args.api_key_file, env),
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        stream_send_timeout_s=args.stream_send_timeout,
+        max_stream_backlog=args.max_stream_backlog,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
     )

@@ -103,6 +103,23 @@ def request_timeout(seconds: float) -> OpenAIError:
     return OpenAIError(504, message, code="timeout")
 
 
+def stream_idle(seconds: float) -> OpenAIError:
+    """504: the cluster sent nothing for this request for too long; it is aborted."""
+    message = f"No progress from the cluster for {seconds:g} s: the request was ended."
+    return OpenAIError(504, message, code="timeout")
+
+
+def slow_reader(what: str) -> OpenAIError:
+    """The client did not read its stream fast enough (it is cut off)."""
+    return OpenAIError(408, f"The client read the stream too slowly ({what}).", code="slow_reader")
+
+
+def body_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(
+        408, f"The request body did not arrive within {seconds:g} s.", code="timeout"
+    )
+
+
 def from_backend(error: BackendError) -> OpenAIError:
     status = error.status if error.status in (400, 404, 429, 500, 503) else 500
     code = "model_not_found" if status == 404 else None

@@ -3,14 +3,18 @@ choice's state machine, abort what a stop string ended, and account for it in th
 
 A prompt's backend request is aborted when every one of its choices has ended in the gateway
 but the backend has not finished them all (a stop string matched), and whenever the consumer
-goes away early (client disconnect), the stream fails, the request runs past its timeout, or a
-drain ends it (``expire``).
+goes away early (client disconnect), the stream fails, the request runs past its timeout, a
+drain ends it (``expire``), nothing arrives from the cluster for ``idle_s`` (the stream-idle
+bound: no failure anywhere can leave it silent longer), or more than ``max_backlog`` events
+wait for a consumer that does not keep up (a slow reader: the requests are aborted at once,
+the consumer finds the error after what it has not read yet).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,10 +24,12 @@ import anyio
 from engine.tokenizer import Tokenizer
 from gateway.backend import Backend, BackendError, TokenEvent
 from gateway.choices import ChoiceState, ChoiceUpdate
-from gateway.errors import OpenAIError, request_timeout
+from gateway.errors import OpenAIError, request_timeout, slow_reader, stream_idle
 from gateway.jobs import Job
 from gateway.logprobs import TokenTexts
 from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 _END = None  # what a pump puts on the queue when its stream is exhausted
 _Item = tuple[int, TokenEvent | BaseException | None]  # (prompt, what its stream gave)
@@ -45,8 +51,12 @@ class Generation:
         metrics: GatewayMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float | None = None,
+        idle_s: float | None = None,
+        max_backlog: int | None = None,
     ) -> None:
-        """``timeout_s`` bounds the whole request, from now: submission and every token."""
+        """``timeout_s`` bounds the whole request, from now: submission and every token;
+        ``idle_s`` the time between two events from the cluster; ``max_backlog`` the events
+        waiting for the consumer."""
         self.job = job
         self._backend = backend
         self._metrics = metrics
@@ -74,6 +84,10 @@ class Generation:
         self._timeout_s = timeout_s
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._expired: tuple[OpenAIError, str] | None = None  # (why, outcome) once expired
+        self._idle_s = idle_s
+        self._max_backlog = max_backlog
+        self._last_event_at = self._arrival
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @property
     def closed(self) -> bool:
@@ -118,13 +132,18 @@ class Generation:
         if self._expired is None and not self.closed:
             self._expired = (error, outcome)
             self._queue.put_nowait((-1, error))
+            log.warning("request %s: %d %s", self.job.response_id, error.status, error.message)
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Text deltas of every choice until all have finished. Use inside ``aclosing``."""
         queue = self._queue
         self._pumps = [
-            asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(self._streams)
+            asyncio.create_task(_pump(i, stream, queue, self._on_pumped))
+            for i, stream in enumerate(self._streams)
         ]
+        self._last_event_at = self._clock()
+        if self._idle_s is not None:
+            self._idle_timer = asyncio.get_running_loop().call_later(self._idle_s, self._check_idle)
         remaining = self._remaining()
         timer = None
         if remaining is not None:
@@ -157,7 +176,31 @@ class Generation:
         finally:
             if timer is not None:
                 timer.cancel()
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
             await self.close(outcome)
+
+    def _on_pumped(self) -> bool:
+        """A pump queued an event; False stops it (the consumer is too far behind)."""
+        self._last_event_at = self._clock()
+        if self._max_backlog is None or self._queue.qsize() <= self._max_backlog:
+            return True
+        self.expire(slow_reader(f"more than {self._max_backlog} events behind"), "error")
+        for pump in self._pumps:
+            pump.cancel()
+        for prompt in self._open:  # at once: the consumer may not get to the error for long
+            rid = self.job.requests[prompt].request_id
+            asyncio.get_running_loop().create_task(self._backend.abort(rid))
+        return False
+
+    def _check_idle(self) -> None:
+        idle_s = self._idle_s or 0.0
+        quiet = self._clock() - self._last_event_at
+        if quiet >= idle_s:
+            self.expire(stream_idle(idle_s), "timeout")
+        else:
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(idle_s - quiet, self._check_idle)
 
     async def close(self, outcome: str = "aborted") -> None:
         """Stop reading, abort whatever may still run, count the outcome; idempotent, and safe
@@ -222,11 +265,16 @@ class Generation:
 
 
 async def _pump(
-    prompt: int, stream: AsyncIterator[TokenEvent], queue: asyncio.Queue[_Item]
+    prompt: int,
+    stream: AsyncIterator[TokenEvent],
+    queue: asyncio.Queue[_Item],
+    pumped: Callable[[], bool],
 ) -> None:
     try:
         async for event in stream:
             queue.put_nowait((prompt, event))
+            if not pumped():
+                return
         queue.put_nowait((prompt, _END))
     except Exception as e:
         queue.put_nowait((prompt, e))

@@ -18,6 +18,7 @@ from gateway.openai_models import (
     check_supported,
     sampling_kwargs,
 )
+from gateway.prompt_guard import check_prompt_size
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -53,6 +54,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelI
     except (ValueError, TypeError) as e:
         raise invalid_request(str(e), "messages") from e
     _check_text(text, "messages")
+    check_prompt_size(text, tokenizer, model.max_model_len, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(len(ids), req.requested_max_tokens(), None, model, "messages")
@@ -62,7 +64,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelI
 
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> Job:
     check_supported(req)
-    prompts = _prompt_ids(req, tokenizer)
+    prompts = _prompt_ids(req, tokenizer, model.max_model_len)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = []
     for i, ids in enumerate(prompts):
@@ -106,7 +108,9 @@ def _request(
     return GenerateRequest(request_id, req.model, ids, sampling, req.n)
 
 
-def _prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+def _prompt_ids(
+    req: CompletionRequest, tokenizer: Tokenizer, max_model_len: int
+) -> list[list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -121,6 +125,7 @@ def _prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]
     for p in prompt:
         if isinstance(p, str):
             _check_text(p, "prompt")
+            check_prompt_size(p, tokenizer, max_model_len, "prompt")
         ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")

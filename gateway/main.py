@@ -13,6 +13,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -23,12 +24,14 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig, add_config_args, config_from_args
 from gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
 from gateway.errors import OpenAIError
+from gateway.http_limits import header_deadline_protocol
 from gateway.zmq_backend import ZmqBackend
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_ENV = "PDSERVE_COORDINATOR"  # the coordinator's inbox address
 LOG_LEVELS = ("debug", "info", "warning", "error")
+KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this long
 
 
 class LazyTokenizers(Mapping[str, Tokenizer]):
@@ -143,6 +146,16 @@ def http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_limits(config: GatewayConfig) -> dict[str, Any]:
+    """uvicorn's share of the gateway's bounds: the header deadline, the connection cap, the
+    keep-alive idle time."""
+    return {
+        "http": header_deadline_protocol(config.header_timeout_s),
+        "limit_concurrency": config.max_connections,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then drain (``gateway.drain``) and return 0."""
     logging.getLogger().setLevel(args.log_level.upper())
@@ -161,7 +174,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     backend = ZmqBackend(args.coordinator, args.stream_bind, max_migrations=args.max_migrations)
     app = gateway_app(backend, config)
     uvicorn_config = uvicorn.Config(
-        app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+        app,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        **http_limits(config),
     )
     server = DrainingServer(uvicorn_config, app.state.admission, config.drain_timeout_s)
     keys = f", {len(config.api_keys)} API key(s)" if config.api_keys else ", no API key"

@@ -14,11 +14,16 @@ A failure after the first byte cannot change the status any more: it becomes
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from gateway.backend import BackendError
 from gateway.choices import ChoiceUpdate
@@ -28,6 +33,8 @@ from gateway.jobs import Job
 from gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
 
 SSE_DONE = "data: [DONE]\n\n"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,8 +148,45 @@ async def stream_events(gen: Generation) -> AsyncIterator[str]:
         if job.include_usage:
             yield sse(chunk_body(job, [], gen.usage))
     except Exception as e:
-        yield sse(error_body(e).body())
+        error = error_body(e)
+        log.warning("request %s: %d %s", job.response_id, error.status, error.message)
+        yield sse(error.body())
     yield SSE_DONE
+
+
+class BoundedStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` whose client must take each write within ``send_timeout_s``:
+    one that stays behind (its socket buffer full that long) is cut off, the connection
+    closed, and ``on_cut`` runs (it ends the generation). Memory per stream stays bounded by
+    the socket buffer and the generation's backlog."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        *,
+        send_timeout_s: float,
+        on_cut: Callable[[], Awaitable[None]],
+        **kwargs: object,
+    ) -> None:
+        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+        self.send_timeout_s = send_timeout_s
+        self.on_cut = on_cut
+
+    async def stream_response(self, send: Send) -> None:
+        timeout_s = self.send_timeout_s
+
+        async def timed_send(message: Message) -> None:
+            async with asyncio.timeout(timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed_send)
+        except TimeoutError:
+            log.warning("a streaming client took no data for %g s: cut off", timeout_s)
+            await self.on_cut()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 async def collect(gen: Generation) -> dict[str, Any]:

@@ -15,6 +15,11 @@ Each request in flight has a queue; the receive loop routes its chunks and error
 anything else (malformed frames, chunks of requests already over or aborted). A request's stream
 ends once every choice has had its finished chunk *and* every token before it: token 0 comes from
 another socket than the decode worker's last chunk and may arrive after it.
+
+With the coordinator gone (no ``ClusterState`` for ``state_timeout_s``), a request nothing
+has answered fails (503), and so does one that has had no message for as long: it waits on
+something only the coordinator could pass on (a ``TransferDone``, an ``Accepted``). Streams
+still decoding go on to their end.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from gateway.backend import (
     WorkerStats,
 )
 from protocol import messages as m
+from protocol import security
 from protocol.codec import ProtocolError, decode, encode
 from protocol.sockets import bound_address, make_socket
 
@@ -54,6 +60,7 @@ class _Pending:
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     early: list[_Item] = field(default_factory=list)  # what came before acceptance did
     answered: bool = False  # something (a chunk or an error) is on its way to the consumer
+    last_at: float = 0.0  # when the last message for it arrived (or it was sent)
 
 
 @dataclass
@@ -144,7 +151,8 @@ class ZmqBackend(Backend):
     async def start(self) -> None:
         """Bind the stream socket, connect to the coordinator, start the receive and hello loops
         (in the running event loop: the server's)."""
-        self._ctx = zmq.asyncio.Context()
+        # CURVE on both sockets with the keys `pdserve gateway --keys` exported (none: plain)
+        self._ctx = security.async_context(security.from_env())
         try:
             self._stream = make_socket(self._ctx, zmq.PULL, self.stream_bind, bind=True)
             self.stream_address = bound_address(self._stream)
@@ -198,7 +206,8 @@ class ZmqBackend(Backend):
             frames = encode(generate)
         except ProtocolError as e:
             raise BackendError(f"request {rid} cannot be sent: {e}", 500) from e
-        pending = self._pending[rid] = _Pending()  # before sending: no chunk may beat it
+        # before sending: no chunk may beat it
+        pending = self._pending[rid] = _Pending(last_at=self._clock())
         if not await self._send(frames):
             del self._pending[rid]
             raise BackendError(f"the coordinator at {self.coordinator_address} is unreachable", 503)
@@ -325,6 +334,7 @@ class ZmqBackend(Backend):
             if pending is None:  # over, aborted, or never ours
                 return
             pending.answered = True
+            pending.last_at = self._clock()
             pending.queue.put_nowait(msg)
         else:
             log.warning("dropped an unexpected %s on the token stream", type(msg).__name__)
@@ -338,14 +348,26 @@ class ZmqBackend(Backend):
             await asyncio.sleep(self.hello_interval_s)
 
     def _fail_unanswered(self) -> None:
-        """With the coordinator silent, a request nothing has answered yet never will be."""
+        """With the coordinator silent, a request nothing has answered yet never will be, and
+        one that has heard nothing for as long waits on something only it could pass on."""
         if self._fresh():
             return
-        for rid, pending in self._pending.items():
+        now = self._clock()
+        for rid, pending in list(self._pending.items()):
             if not pending.answered:
-                pending.answered = True
                 message = f"no answer from the coordinator for request {rid}"
-                pending.queue.put_nowait(BackendError(message, 503))
+            elif now - pending.last_at > self.state_timeout_s:
+                quiet = now - pending.last_at
+                message = (
+                    f"request {rid} lost: the coordinator at {self.coordinator_address} is "
+                    f"unreachable and the request made no progress for {quiet:.0f} s"
+                )
+            else:
+                continue
+            log.warning("%s", message)
+            del self._pending[rid]  # what comes for it later is dropped
+            pending.answered = True
+            pending.queue.put_nowait(BackendError(message, 503))
 
     def _fresh(self) -> bool:
         at = self._state_at

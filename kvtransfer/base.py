@@ -5,8 +5,9 @@ A prefill worker pushes the KV of blocks ``src_block_ids`` (its cache) into bloc
 
     decode                                     prefill
     r = make_receiver(backend, kv_layers)
-    r.expect(rid, dst_ids, timeout_s)   ──ids, r.address──▶  s.send(TransferSpec(rid, src_ids,
-                                                               dst_ids, r.address), kv_layers)
+    secret = r.expect(rid, dst_ids)     ──ids, r.address,──▶  s.send(TransferSpec(rid, src_ids,
+                                          secret             dst_ids, r.address, secret=secret),
+                                                               kv_layers)
     r.poll(rid): PENDING → TRANSFERRING → DONE | FAILED      s.poll(rid): same states
     r.release(rid)                                           s.release(rid)
 
@@ -14,7 +15,8 @@ Receiver DONE: every layer landed in ``kv_layers[l][dst_ids]`` (and matched the 
 one came). Sender DONE: every byte was handed to the transport and the source blocks may be
 freed; whether the receiver accepted it is the receiver's poll, which the decode side acts on.
 A transfer not finished within its ``timeout_s`` is FAILED on each side. Only ``dst_ids``
-ever change on the receiver; a transfer it was not told to ``expect`` is dropped.
+ever change on the receiver; a transfer it was not told to ``expect``, or one without the
+secret ``expect`` returned, is dropped (its reservation stays PENDING for the real one).
 
 This module imports no torch: the coordinator uses ``KVLayout`` and ``check_layouts``.
 """
@@ -87,6 +89,7 @@ class TransferSpec:
     dst_block_ids: list[int]  # receiver's blocks: src_block_ids[i] lands in dst_block_ids[i]
     address: str  # the receiver's ``address``
     timeout_s: float = DEFAULT_TIMEOUT_S
+    secret: bytes = b""  # what the receiver's ``expect`` returned for this transfer
 
     def __post_init__(self) -> None:
         if not self.src_block_ids:
@@ -151,8 +154,10 @@ class KVReceiver(ABC):
     @abstractmethod
     def expect(
         self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
-        """Accept one transfer for ``request_id`` into ``dst_block_ids`` within ``timeout_s``.
+    ) -> bytes:
+        """Accept one transfer for ``request_id`` into ``dst_block_ids`` within ``timeout_s``,
+        from a sender presenting the returned random secret (``TransferSpec.secret``, carried
+        to the prefill worker over the authenticated control plane); any other is dropped.
 
         ``ValueError`` for a duplicate request id or block ids outside the cache.
         """

@@ -10,8 +10,10 @@ Per layer, a transfer moves one contiguous buffer::
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import secrets
 import threading
 import time
 import zlib
@@ -26,6 +28,7 @@ from protocol.messages import KVHeader
 log = logging.getLogger("kvtransfer")
 
 Buffer = bytes | bytearray | memoryview
+SECRET_BYTES = 16  # a reservation's transfer secret
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -113,6 +116,7 @@ def make_header(
     *,
     with_checksum: bool,
     tag: int = 0,
+    secret: bytes = b"",
 ) -> KVHeader:
     return KVHeader(
         request_id=request_id,
@@ -122,7 +126,13 @@ def make_header(
         block_shape=list(staged[0].shape[1:]),
         checksum=checksum([as_bytes(t) for t in staged]) if with_checksum else None,
         tag=tag,
+        secret=secret,
     )
+
+
+def secret_matches(entry: Entry, presented: bytes) -> bool:
+    """Whether a sender presented the transfer's secret (in constant time)."""
+    return bool(entry.secret) and hmac.compare_digest(entry.secret, presented)
 
 
 def header_problem(
@@ -171,6 +181,7 @@ class Entry:
     deadline: float
     block_ids: list[int]
     reason: str | None = None
+    secret: bytes = b""  # what a sender must present (receivers; see ``expect``)
 
 
 class TransferTable:
@@ -187,14 +198,17 @@ class TransferTable:
         self._entries: dict[str, Entry] = {}
         self.on_finished: Callable[[str, KVPoll], None] | None = None  # see KVSender.notify
 
-    def add(self, request_id: str, timeout_s: float, block_ids: Sequence[int]) -> None:
+    def add(
+        self, request_id: str, timeout_s: float, block_ids: Sequence[int], secret: bytes = b""
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"{self.side} {request_id!r}: timeout_s must be > 0")
         with self.lock:
             if request_id in self._entries:
                 raise ValueError(f"{self.side}: request id {request_id!r} is already in use")
             deadline = self.clock() + timeout_s
-            self._entries[request_id] = Entry(KVPoll.PENDING, deadline, list(block_ids))
+            entry = Entry(KVPoll.PENDING, deadline, list(block_ids), secret=secret)
+            self._entries[request_id] = entry
 
     def get(self, request_id: str) -> Entry | None:
         return self._entries.get(request_id)
@@ -300,6 +314,8 @@ class TableBackedReceiver(TableBacked):
 
     def expect(
         self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
+    ) -> bytes:
         check_block_ids(dst_block_ids, self._num_blocks, request_id)
-        self._table.add(request_id, timeout_s, dst_block_ids)
+        secret = secrets.token_bytes(SECRET_BYTES)
+        self._table.add(request_id, timeout_s, dst_block_ids, secret)
+        return secret

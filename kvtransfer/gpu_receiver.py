@@ -73,8 +73,8 @@ class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
         self._incoming: dict[str, Incoming] = {}  # receiver thread only
-        self._sock = make_socket(self._ctx, zmq.ROUTER, bind, bind=True)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # control messages only
+        # control messages only; set before bind, where it applies
+        self._sock = make_socket(self._ctx, zmq.ROUTER, bind, bind=True, max_msg_bytes=1 << 20)
         self._start_thread(self.backend, bound_address(self._sock))
 
     @staticmethod
@@ -172,6 +172,8 @@ class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
             entry = self._table.get(rid)
             if entry is None or entry.state is not KVPoll.PENDING:
                 why = "not expected" if entry is None else f"already {entry.state.value}"
+            elif not common.secret_matches(entry, begin.secret):
+                why = "came without its transfer secret"
             elif entry.block_ids != begin.dst_block_ids:
                 why = "destination blocks differ from the reserved ones"
             else:

@@ -162,7 +162,7 @@ class GpuKVSender(QueuedSender, common.TableBacked, KVSender):
             peer = self._peers.get(address)
             if peer is None:
                 peer = self._peers[address] = self._connect(address, job, deadline)
-            begin = w.Begin(rid, list(job.spec.dst_block_ids))
+            begin = w.Begin(rid, list(job.spec.dst_block_ids), job.spec.secret)
             reply = round_trip(peer.sock, begin, w.BeginReply, deadline, key=rid)
             if reply.session != peer.session:
                 self._drop_peer(address)

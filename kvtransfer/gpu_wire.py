@@ -83,6 +83,7 @@ class Refused:
 class Begin:
     request_id: str
     dst_block_ids: list[int]
+    secret: bytes = b""  # the reservation's transfer secret (``TransferSpec.secret``)
 
 
 @dataclass(frozen=True)

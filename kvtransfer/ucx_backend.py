@@ -174,7 +174,12 @@ class UcxKVSender(common.TableBacked, KVSender):
     def _header(self, spec: TransferSpec, staged: list[torch.Tensor], tag: int) -> KVHeader:
         """The header for one transfer (tests override it to corrupt a checksum)."""
         return common.make_header(
-            spec.request_id, spec.dst_block_ids, staged, with_checksum=self.checksum, tag=tag
+            spec.request_id,
+            spec.dst_block_ids,
+            staged,
+            with_checksum=self.checksum,
+            tag=tag,
+            secret=spec.secret,
         )
 
     def _run(self) -> None:

@@ -136,6 +136,11 @@ class UcxKVReceiver(common.TableBackedReceiver, KVReceiver):
         rid = header.request_id
         with self._table.lock:
             entry = self._table.get(rid)
+            if entry is not None and not common.secret_matches(entry, header.secret):
+                # not the sender the reservation was made for: its layers go to the sink and
+                # the reservation stays PENDING for the real one
+                log.warning("ucx receiver: draining a transfer for %r without its secret", rid)
+                entry = None
             if entry is None or entry.state is not KVPoll.PENDING:
                 state = "unknown" if entry is None else entry.state.value
                 log.warning("ucx receiver: draining a transfer for %s request %r", state, rid)

@@ -74,7 +74,11 @@ class ZmqKVSender(QueuedSender, common.TableBacked, KVSender):
     def _header(self, spec: TransferSpec, staged: list[torch.Tensor]) -> KVHeader:
         """The header for one transfer (tests override it to corrupt a checksum)."""
         return common.make_header(
-            spec.request_id, spec.dst_block_ids, staged, with_checksum=self.checksum
+            spec.request_id,
+            spec.dst_block_ids,
+            staged,
+            with_checksum=self.checksum,
+            secret=spec.secret,
         )
 
     # ---- sender thread -----------------------------------------------------------------------
@@ -160,9 +164,9 @@ class ZmqKVReceiver(common.TableBackedReceiver, KVReceiver):
         self._init_receiver("zmq", kv_layers, require_checksum)
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
-        self._sock = make_socket(self._ctx, zmq.PULL, bind, bind=True)
-        # no frame may exceed a whole layer of this cache
-        self._sock.setsockopt(zmq.MAXMSGSIZE, common.layer_nbytes(self._layout, self._num_blocks))
+        # no frame may exceed a whole layer of this cache (set before bind, where it applies)
+        limit = common.layer_nbytes(self._layout, self._num_blocks)
+        self._sock = make_socket(self._ctx, zmq.PULL, bind, bind=True, max_msg_bytes=limit)
         self._start_thread("zmq", bound_address(self._sock))
 
     def close(self) -> None:
@@ -201,6 +205,9 @@ class ZmqKVReceiver(common.TableBackedReceiver, KVReceiver):
             if entry is None or entry.state is not KVPoll.PENDING:
                 state = "unknown" if entry is None else entry.state.value
                 log.warning("zmq receiver: dropped a transfer for %s request %r", state, rid)
+                return
+            if not common.secret_matches(entry, header.secret):
+                log.warning("zmq receiver: dropped a transfer for %r without its secret", rid)
                 return
             self._table.advance(rid, KVPoll.TRANSFERRING)
             dst_ids = entry.block_ids

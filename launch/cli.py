@@ -27,9 +27,12 @@ def _make_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_make_model)
 
 
-def _role(name: str, help_text: str, module: str, add: str, run: str, *extra: str):
+def _role(
+    name: str, help_text: str, module: str, add: str, run: str, *extra: str, keys: bool = False
+):
     """A subcommand whose module is imported only when registered here (no torch for the
-    coordinator and gateway)."""
+    coordinator and gateway). ``keys``: a cluster role, which takes ``--keys`` (or
+    ``--insecure``) and refuses to start without one of them."""
 
     def register(sub: argparse._SubParsersAction) -> None:
         import importlib
@@ -37,9 +40,25 @@ def _role(name: str, help_text: str, module: str, add: str, run: str, *extra: st
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text)
         getattr(mod, add)(p, *extra)
-        p.set_defaults(func=lambda args: getattr(mod, run)(args, *extra))
+        if keys:
+            from protocol.security import add_security_args
+
+            add_security_args(p)
+        p.set_defaults(func=lambda args: _run_role(name, keys, getattr(mod, run), args, *extra))
 
     return register
+
+
+def _run_role(name: str, keys: bool, run: Callable[..., int], args, *extra: str) -> int:
+    if keys:
+        from protocol.security import KeysError, export
+
+        try:
+            export(args)  # every socket this process makes reads its keys from there
+        except KeysError as e:
+            print(f"pdserve {name}: {e}", file=sys.stderr)
+            return 2
+    return run(args, *extra)
 
 
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
@@ -55,6 +74,13 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "models": _role(
         "models", "list the model cache", "engine.pull", "add_models_args", "run_models"
     ),
+    "keygen": _role(
+        "keygen",
+        "write a cluster's CURVE keys, one directory per node",
+        "launch.keygen",
+        "add_keygen_args",
+        "run_keygen",
+    ),
     "serve": _role(
         "serve", "every role on this machine", "launch.serve", "add_serve_args", "run_serve"
     ),
@@ -64,6 +90,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "coordinator.main",
         "add_coordinator_args",
         "run_coordinator",
+        keys=True,
     ),
     "prefill": _role(
         "prefill",
@@ -72,9 +99,16 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "add_worker_args",
         "run_worker",
         "prefill",
+        keys=True,
     ),
     "decode": _role(
-        "decode", "a decode worker", "launch.worker_main", "add_worker_args", "run_worker", "decode"
+        "decode",
+        "a decode worker",
+        "launch.worker_main",
+        "add_worker_args",
+        "run_worker",
+        "decode",
+        keys=True,
     ),
     "gateway": _role(
         "gateway",
@@ -82,6 +116,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "gateway.main",
         "add_gateway_args",
         "run_gateway",
+        keys=True,
     ),
     "bench": _role(
         "bench",

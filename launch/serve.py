@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ FORWARDED_ENGINE_FLAGS = (
     "dtype",
     "device",
     "attention_backend",
+    "cpu_linear",
     "max_model_len",
     "block_size",
     "num_kv_blocks",
@@ -85,6 +87,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         help="times a stream may move to another decode worker when its worker dies",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no CURVE keys on internal sockets (by default each launch makes its own)",
     )
     g.add_argument(
         "--max-restarts",
@@ -182,23 +189,35 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
-    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))  # 0700
     address_file = run_dir / "coordinator"
     pdserve = pdserve_command()
+    roles = ["coordinator", "gateway", *(_worker_id(c) for c in worker_commands(args, "", ""))]
+    keys = _keys(run_dir, roles, args.insecure)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     coordinator = Child(
         "coordinator",
-        [*pdserve, "coordinator", "--bind=tcp://127.0.0.1:0", f"--address-file={address_file}"],
+        [
+            *pdserve,
+            "coordinator",
+            "--bind=tcp://127.0.0.1:0",
+            f"--address-file={address_file}",
+            *keys("coordinator"),
+        ],
     )
     workers: list[Child] = []
     gateway: Child | None = None
     try:
         coordinator.start()
         address = _wait_for_file(address_file, coordinator, 30.0)
-        coordinator.cmd = [*pdserve, "coordinator", f"--bind={address}"]  # a restart rebinds it
-        workers = [Child(_role(cmd), cmd) for cmd in worker_commands(args, address, model)]
+        # a restart rebinds the same address
+        coordinator.cmd = [*pdserve, "coordinator", f"--bind={address}", *keys("coordinator")]
+        workers = [
+            Child(_role(cmd), [*cmd, *keys(_worker_id(cmd))])
+            for cmd in worker_commands(args, address, model)
+        ]
         gateway = Child(
             "gateway",
             [
@@ -209,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"--port={args.port}",
                 f"--drain-timeout={args.drain_timeout}",
                 f"--max-migrations={args.max_migrations}",
+                *keys("gateway"),
             ],
         )
         children = [coordinator, *workers, gateway]
@@ -242,6 +262,22 @@ def run_serve(args: argparse.Namespace) -> int:
             child.stop(args.drain_timeout + 10)
         coordinator.stop(10)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _keys(run_dir: Path, names: list[str], insecure: bool) -> Callable[[str], list[str]]:
+    """This launch's CURVE keys (one identity per process, in the private run directory): the
+    flags that give process ``name`` its own."""
+    if insecure:
+        print("pdserve serve: --insecure: internal sockets are open to anyone", file=sys.stderr)
+        return lambda name: ["--insecure"]
+    from launch.keygen import keygen
+
+    keys = keygen(run_dir / "keys", names)
+    return lambda name: [f"--keys={keys}", f"--key-name={name}"]
+
+
+def _worker_id(cmd: list[str]) -> str:
+    return next(a.split("=", 1)[1] for a in cmd if a.startswith("--worker-id="))
 
 
 def _restart(child: Child, max_restarts: int) -> None:

@@ -18,6 +18,7 @@ from engine import envs
 from engine.cli_args import add_engine_args, engine_config_from_args
 from kvtransfer import backends as transfer_backends
 from protocol import messages as m
+from protocol import security
 from protocol.liveness import Liveness
 from protocol.loop import PushOutbox, serve, stop_on_signals
 from protocol.sockets import bound_address, make_socket
@@ -112,14 +113,17 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     served = args.served_model_name or os.path.basename(os.path.normpath(config.model))
 
-    ctx = zmq.Context()
+    options: dict = {}
+    ctx = security.context(security.from_env())
     control = make_socket(ctx, zmq.PULL, args.control_bind, bind=True)
+    # the KV sockets (zmq, and the GPU backends' control socket) share this context's keys
+    if args.transfer_backend != "ucx":
+        options["ctx"] = ctx
     outbox = PushOutbox(ctx, args.coordinator)
     layers = engine.runner.kv_cache.layers
     if role == "prefill":
         from prefill.worker import PrefillWorker
 
-        options = {}
         if args.kv_fault:
             from kvtransfer.faults import FaultPlan
 
@@ -131,7 +135,11 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         from decode.worker import DecodeWorker
 
         transport = make_receiver(
-            args.transfer_backend, layers, args.transfer_bind, require_checksum=args.kv_checksum
+            args.transfer_backend,
+            layers,
+            args.transfer_bind,
+            require_checksum=args.kv_checksum,
+            **options,
         )
         worker = DecodeWorker(
             engine, transport, worker_id, outbox, args.transfer_timeout, args.kv_failure_policy

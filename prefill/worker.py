@@ -135,7 +135,12 @@ class PrefillWorker:
             job.choice,
         )
         spec = TransferSpec(
-            key, src, job.dst_block_ids[: len(src)], job.transfer_address, self.transfer_timeout_s
+            key,
+            src,
+            job.dst_block_ids[: len(src)],
+            job.transfer_address,
+            self.transfer_timeout_s,
+            job.transfer_secret,
         )
         self.sending[key] = (job, done)  # first: the sender may finish before send returns
         try:

@@ -18,7 +18,7 @@ import zmq
 
 from protocol.codec import Message
 from protocol.liveness import Liveness
-from protocol.sockets import make_socket, recv_msg, send_msg
+from protocol.sockets import make_socket, recv_from, send_msg
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Drain(Protocol):
 
 def serve(
     inbox: zmq.Socket,
-    handle: Callable[[Message], None],
+    handle: Callable[..., None],
     step: Callable[[], bool],
     periodic: Callable[[float], None],
     stop: threading.Event,
@@ -130,6 +130,7 @@ def serve(
     drain: Drain | None = None,
     drain_timeout_s: float = 30.0,
     liveness: Liveness | None = None,
+    with_sender: bool = False,
 ) -> None:
     """Until ``stop``: take every waiting message, run one step, and call ``periodic`` about
     every ``period_s``. Waits for input only when the last step had nothing to do.
@@ -137,11 +138,19 @@ def serve(
     With ``drain``, a stop first turns new work away and keeps going until the work in
     flight is done (or ``drain_timeout_s`` passes). With ``liveness``, its thread runs while
     this does (started here, stopped and joined on the way out) and hears each time the loop
-    comes round; ``periodic`` is then where the loop hands it a status."""
+    comes round; ``periodic`` is then where the loop hands it a status. With ``with_sender``,
+    ``handle(msg, sender)`` also gets the sender's CURVE identity (``recv_from``)."""
+
+    def h(msg: Message, sender: str) -> None:
+        if with_sender:
+            handle(msg, sender)
+        else:
+            handle(msg)
+
     if liveness is not None:
         liveness.start()
     try:
-        _loop(inbox, handle, step, periodic, stop.is_set, period_s, idle_wait_ms, liveness)
+        _loop(inbox, h, step, periodic, stop.is_set, period_s, idle_wait_ms, liveness)
         if drain is None:
             return
         drain.begin_drain()
@@ -151,7 +160,7 @@ def serve(
         def done() -> bool:
             return not drain.in_flight() or time.monotonic() > deadline
 
-        _loop(inbox, handle, step, periodic, done, period_s, idle_wait_ms, liveness)
+        _loop(inbox, h, step, periodic, done, period_s, idle_wait_ms, liveness)
         if drain.in_flight():
             log.warning("drain timed out after %.0fs with work still in flight", drain_timeout_s)
     finally:
@@ -161,7 +170,7 @@ def serve(
 
 def _loop(
     inbox: zmq.Socket,
-    handle: Callable[[Message], None],
+    handle: Callable[[Message, str], None],
     step: Callable[[], bool],
     periodic: Callable[[float], None],
     until: Callable[[], bool],
@@ -174,10 +183,11 @@ def _loop(
     while not until():
         timeout = 0 if busy else idle_wait_ms
         while inbox.poll(timeout, zmq.POLLIN):
-            msg = recv_msg(inbox)
-            if msg is not None:
+            got = recv_from(inbox)
+            if got is not None:
+                sender, msg = got
                 try:
-                    handle(msg)
+                    handle(msg, sender)
                 except Exception:  # one bad request never takes the worker down
                     log.exception("failed to handle %s", type(msg).__name__)
             timeout = 0

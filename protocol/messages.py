@@ -214,6 +214,9 @@ class Reserved(Message):
     transfer_address: str
     error: str | None = None
     choice: int = 0
+    free_blocks: int = -1  # the worker's free KV blocks after this answer (-1: unknown)
+    # random per reservation: the KV sender must present it (ucx, cuda_ipc, nccl have no CURVE)
+    transfer_secret: bytes = b""
 
 
 @message("prefill_job")
@@ -230,6 +233,7 @@ class PrefillJob(Message):
     choice: int = 0
     # run here, no transfer (empty dst_block_ids): recompute these tokens, continue after them
     generated_token_ids: list[int] = field(default_factory=list)
+    transfer_secret: bytes = b""  # the decode worker's ``Reserved.transfer_secret``
 
 
 @message("transfer_done")
@@ -320,3 +324,4 @@ class KVHeader(Message):
     block_shape: list[int]  # [2, block_size, num_kv_heads, head_dim]
     checksum: bytes | None  # CRC-32 (big-endian) over every layer buffer in order, or None
     tag: int = 0  # transport tag of the layer buffers (ucx); 0 where unused
+    secret: bytes = b""  # the reservation's transfer secret: nothing else is accepted

@@ -14,10 +14,15 @@ from pathlib import Path
 import zmq
 
 from protocol.codec import Message, ProtocolError, decode, encode
+from protocol.security import security_of
 
 log = logging.getLogger(__name__)
 
 _MAX_IPC_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
+
+# The largest control message a socket takes (a bigger one is refused by zmq before it is
+# buffered whole): a prompt of 1M tokens is about 5 MB of msgpack. KV sockets set their own.
+CONTROL_MAX_MSG_BYTES = 8 << 20
 
 
 def new_run_id() -> str:
@@ -53,15 +58,22 @@ def make_socket(
     bind: bool,
     linger_ms: int = 0,
     options: dict[int, int] | None = None,
+    max_msg_bytes: int = CONTROL_MAX_MSG_BYTES,
 ) -> zmq.Socket:
-    """A ``kind`` socket bound or connected to ``address``.
+    """A ``kind`` socket bound or connected to ``address``, taking no inbound frame over
+    ``max_msg_bytes`` (-1: no limit); CURVE-secured when ``ctx`` is a secure context.
 
     A bound ``tcp://host:*`` (or ``:0``) picks a free port: read it back with ``bound_address``.
     """
     sock = ctx.socket(kind)
+    # every option before bind/connect: zmq applies them to connections made afterwards only
     sock.setsockopt(zmq.LINGER, linger_ms)
-    for option, value in (options or {}).items():  # before bind/connect, where they apply
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    for option, value in (options or {}).items():
         sock.setsockopt(option, value)
+    security = security_of(ctx)
+    if security is not None:
+        security.secure(sock, bind=bind)
     try:
         if bind:
             tcp_any = address.startswith("tcp://") and address.endswith(":0")
@@ -92,6 +104,23 @@ def recv_msg(sock: zmq.Socket, timeout_ms: int | None = None) -> Message | None:
     """The next message, or None on timeout or on a malformed one (logged, dropped)."""
     got = _recv(sock, timeout_ms, routed=False)
     return None if got is None else got[1]
+
+
+def recv_from(sock: zmq.Socket, timeout_ms: int | None = None) -> tuple[str, Message] | None:
+    """(sender's ``User-Id``, message): the sender's z85 public key on a CURVE socket, "" on
+    an insecure one; None on timeout or a bad message."""
+    if timeout_ms is not None and not sock.poll(timeout_ms, zmq.POLLIN):
+        return None
+    frames = sock.recv_multipart(copy=False)
+    try:
+        user = frames[0].get("User-Id") or ""
+    except zmq.ZMQError:  # no ZAP handler set one
+        user = ""
+    try:
+        return user, decode([f.buffer for f in frames])
+    except ProtocolError as exc:
+        log.warning("dropped a bad message on %s: %s", _endpoint(sock), exc)
+        return None
 
 
 def recv_routed(sock: zmq.Socket, timeout_ms: int | None = None) -> tuple[bytes, Message] | None:

@@ -126,10 +126,11 @@ def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
 def test_unknown_model_and_no_capacity(cluster_factory) -> None:
     cluster = cluster_factory(num_blocks=8)
     cluster.bus.queue.append(("coordinator", m.Generate("x", "nope", [1], GREEDY, 1, "gw")))
-    cluster.submit("big", list(range(100)), GREEDY)  # 8 blocks x 4 tokens cannot hold it
+    # 8 blocks x 4 tokens can never hold it: a 400, not a 503 worth retrying
+    cluster.submit("big", list(range(100)), GREEDY)
     cluster.pump()
     errors = {e.request_id: e.status for e in cluster.errors()}
-    assert errors == {"x": 404, "big": 503}
+    assert errors == {"x": 404, "big": 400}
     assert set(cluster.used_blocks().values()) == {0}
 
 

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,14 +32,18 @@ def procs():
             p.kill()
 
 
-def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs) -> None:
+def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs, tmp_path) -> None:
     coordinator = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
+    # the cluster's keys, as for several nodes: every role here runs as node "a"
+    keygen = [sys.executable, "-m", "launch.cli", "keygen", f"--out={tmp_path / 'keys'}"]
+    subprocess.run([*keygen, "--nodes", "a", "b"], check=True)
     env = {
         **os.environ,
         "PDSERVE_COORDINATOR_BIND": coordinator,
         "PDSERVE_COORDINATOR": coordinator,
         "PDSERVE_THREADS": "1",
+        "PDSERVE_KEYS": str(tmp_path / "keys" / "a"),
     }
     common = ["--num-kv-blocks=128", "--threads=1"]
 

@@ -91,7 +91,9 @@ def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("small") / "small", preset="small")
 
 
-def test_roles_on_separate_hosts_survive_a_cut_link(hosts: Hosts, small_dir: Path) -> None:
+def test_roles_on_separate_hosts_survive_a_cut_link(
+    hosts: Hosts, small_dir: Path, tmp_path: Path
+) -> None:
     pdserve = [sys.executable, "-m", "launch.cli"]
     coordinator = f"tcp://{hosts.addr('coord')}:5550"
     common = [
@@ -134,6 +136,11 @@ def test_roles_on_separate_hosts_survive_a_cut_link(hosts: Hosts, small_dir: Pat
             f"--stream-bind=tcp://{hosts.addr('gw')}:0",
         ],
     }
+    # one CURVE identity per host, as `pdserve keygen` lays them out for several nodes
+    keys = tmp_path / "keys"
+    subprocess.run([*pdserve, "keygen", f"--out={keys}", "--nodes", *roles], check=True)
+    for role, cmd in roles.items():
+        cmd.append(f"--keys={keys / role}")
     cwd = Path(__file__).resolve().parents[1]
     procs = [
         subprocess.Popen(

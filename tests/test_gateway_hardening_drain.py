@@ -32,7 +32,8 @@ class GatewayProcess:
     def __init__(self, coordinator: str, *extra: str) -> None:
         cmd = [sys.executable, "-m", "launch.cli", "gateway", "--coordinator", coordinator,
                "--port", "0", *extra]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # the coordinator here is a plain-socket test double: no CURVE keys
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_INSECURE": "1"}
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

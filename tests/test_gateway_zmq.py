@@ -387,7 +387,9 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
         "stream_bind": "tcp://127.0.0.1:0", "log_level": "info", "max_migrations": 3,
         "request_timeout": 600.0,
         "max_pending_requests": 1024, "max_body_bytes": 8 * 1024 * 1024, "drain_timeout": 30.0,
-        "api_key": [], "api_key_file": None,
+        "api_key": [], "api_key_file": None, "stream_idle_timeout": 180.0,
+        "stream_send_timeout": 30.0, "max_stream_backlog": 4096, "header_timeout": 10.0,
+        "body_timeout": 30.0, "max_connections": 2048,
     }  # fmt: skip
     monkeypatch.delenv(COORDINATOR_ENV)
     parser = argparse.ArgumentParser()

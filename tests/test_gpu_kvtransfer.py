@@ -23,6 +23,9 @@ from kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, se
 from protocol.codec import ProtocolError
 from protocol.messages import KVLayout
 
+# the transfer secret each receiver returned from ``expect``, by request id
+SECRETS: dict[str, bytes] = {}
+
 SHAPE = (8, 2, 4, 2, 8)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
 LAYOUT = KVLayout(4, "bfloat16", 3, 2, 8)
 
@@ -202,8 +205,13 @@ def transfer(pair, rid="r1", src_ids=(1, 4), dst_ids=(6, 0), expect=True, timeou
     receiver, dst, sender, src = pair
     before = [t.clone() for t in dst]
     if expect:
-        receiver.expect(rid, list(dst_ids), timeout_s)
-    sender.send(TransferSpec(rid, list(src_ids), list(dst_ids), receiver.address, 5.0), src)
+        SECRETS[rid] = receiver.expect(rid, list(dst_ids), timeout_s)
+    sender.send(
+        TransferSpec(
+            rid, list(src_ids), list(dst_ids), receiver.address, 5.0, secret=SECRETS.get(rid, b"")
+        ),
+        src,
+    )
     sent = wait(lambda: sender.poll(rid))
     got = wait(lambda: receiver.poll(rid), timeout_s + 1) if expect else None
     return sent, got, before
@@ -228,7 +236,7 @@ def test_grants_only_what_was_reserved(pair) -> None:
     assert sender.failure_reason("r1") == (
         f"{receiver.address}: receiver declined: request 'r1' not expected"
     )
-    receiver.expect("r2", [5, 7])
+    SECRETS["r2"] = receiver.expect("r2", [5, 7])
     transfer(pair, "r2", (1, 4), (5, 6), expect=False)
     assert sender.failure_reason("r2").endswith("destination blocks differ from the reserved ones")
     assert receiver.poll("r2") is KVPoll.PENDING
@@ -307,8 +315,8 @@ def test_granted_copy_is_waited_for_on_release(monkeypatch, caplog) -> None:
             deadline = time.monotonic() + 5
             round_trip(raw, w.Hello("loop", LAYOUT, 1, ""), w.IpcHandles, deadline)
             for rid in ("r1", "r2"):
-                receiver.expect(rid, [2, 3], 5.0)
-                reply = round_trip(raw, w.Begin(rid, [2, 3]), w.BeginReply, deadline, key=rid)
+                begin = w.Begin(rid, [2, 3], receiver.expect(rid, [2, 3], 5.0))
+                reply = round_trip(raw, begin, w.BeginReply, deadline, key=rid)
                 assert reply.ok and receiver.poll(rid) is KVPoll.TRANSFERRING
             # r1: the sender never says Done: release waits out the grace, then lets go
             start = time.monotonic()

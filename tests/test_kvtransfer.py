@@ -27,6 +27,9 @@ from kvtransfer.common import layout_of
 from kvtransfer.ucx_backend import ucx_unavailable_reason
 from protocol.sockets import free_port, ipc_address
 
+# the transfer secret each receiver returned from ``expect``, by request id
+SECRETS: dict[str, bytes] = {}
+
 UCX_SKIP = ucx_unavailable_reason()
 BACKENDS = [
     "zmq",
@@ -85,9 +88,11 @@ def test_exact_bytes_in_listed_blocks_only(make, backend, dtype, checksum) -> No
     receiver = make.receiver(dst, require_checksum=checksum)
     sender = make.sender(checksum=checksum)
     src_ids, dst_ids = [5, 0, 3], [2, 9, 4]
-    receiver.expect("r1", dst_ids, timeout_s=5)
+    SECRETS["r1"] = receiver.expect("r1", dst_ids, timeout_s=5)
     assert receiver.poll("r1") is KVPoll.PENDING
-    sender.send(TransferSpec("r1", src_ids, dst_ids, receiver.address), src)
+    sender.send(
+        TransferSpec("r1", src_ids, dst_ids, receiver.address, secret=SECRETS.get("r1", b"")), src
+    )
     assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
     assert wait(lambda: sender.poll("r1")) is KVPoll.DONE
     assert receiver.failure_reason("r1") is None
@@ -106,9 +111,11 @@ def test_concurrent_transfers_to_two_receivers(make, backend) -> None:
     sender = make.sender(checksum=True)
     jobs = [("r1", a, [0, 1], [7, 8]), ("r2", a, [2], [3]), ("r3", b, [9, 4, 6], [0, 5, 1])]
     for rid, receiver, _, dst_ids in jobs:
-        receiver.expect(rid, dst_ids)
+        SECRETS[rid] = receiver.expect(rid, dst_ids)
     for rid, receiver, src_ids, dst_ids in jobs:
-        sender.send(TransferSpec(rid, src_ids, dst_ids, receiver.address), src)
+        sender.send(
+            TransferSpec(rid, src_ids, dst_ids, receiver.address, secret=SECRETS.get(rid, b"")), src
+        )
     for rid, receiver, _, _ in jobs:
         assert wait(lambda r=receiver, i=rid: r.poll(i)) is KVPoll.DONE
         assert wait(lambda i=rid: sender.poll(i)) is KVPoll.DONE
@@ -122,8 +129,10 @@ def test_zmq_over_ipc(tmp_path) -> None:
     sender = make_sender("zmq")
     try:
         assert receiver.address == f"ipc://{tmp_path}/kv-d0.sock"
-        receiver.expect("r1", [1])
-        sender.send(TransferSpec("r1", [4], [1], receiver.address), src)
+        SECRETS["r1"] = receiver.expect("r1", [1])
+        sender.send(
+            TransferSpec("r1", [4], [1], receiver.address, secret=SECRETS.get("r1", b"")), src
+        )
         assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
         assert torch.equal(dst[2][1], src[2][4])
     finally:
@@ -144,8 +153,10 @@ def test_checksum_mismatch_fails_and_writes_nothing(make, backend, monkeypatch) 
     monkeypatch.setattr(
         sender, "_header", lambda *a: dataclasses.replace(honest(*a), checksum=bytes(16))
     )
-    receiver.expect("r1", [2, 3])
-    sender.send(TransferSpec("r1", [0, 1], [2, 3], receiver.address), src)
+    SECRETS["r1"] = receiver.expect("r1", [2, 3])
+    sender.send(
+        TransferSpec("r1", [0, 1], [2, 3], receiver.address, secret=SECRETS.get("r1", b"")), src
+    )
     assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
     assert receiver.failure_reason("r1") == "checksum mismatch"
     assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
@@ -155,8 +166,10 @@ def test_checksum_mismatch_fails_and_writes_nothing(make, backend, monkeypatch) 
 def test_missing_required_checksum_fails(make, backend) -> None:
     receiver = make.receiver(cache(2), require_checksum=True)
     sender = make.sender(checksum=False)
-    receiver.expect("r1", [2])
-    sender.send(TransferSpec("r1", [0], [2], receiver.address), cache(1))
+    SECRETS["r1"] = receiver.expect("r1", [2])
+    sender.send(
+        TransferSpec("r1", [0], [2], receiver.address, secret=SECRETS.get("r1", b"")), cache(1)
+    )
     assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
     assert receiver.failure_reason("r1") == "no checksum sent, one is required"
 
@@ -166,13 +179,15 @@ def test_timeout_fails_and_a_late_transfer_is_dropped(make, backend) -> None:
     src, dst = cache(1), cache(2)
     before = [t.clone() for t in dst]
     receiver = make.receiver(dst)
-    receiver.expect("r1", [4], timeout_s=0.1)
+    SECRETS["r1"] = receiver.expect("r1", [4], timeout_s=0.1)
     assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
     assert receiver.failure_reason("r1") == "timed out"
     sender = make.sender()
-    sender.send(TransferSpec("r1", [0], [4], receiver.address), src)
-    receiver.expect("r2", [5])  # the receiver keeps working after dropping the late one
-    sender.send(TransferSpec("r2", [1], [5], receiver.address), src)
+    sender.send(TransferSpec("r1", [0], [4], receiver.address, secret=SECRETS.get("r1", b"")), src)
+    SECRETS["r2"] = receiver.expect(
+        "r2", [5]
+    )  # the receiver keeps working after dropping the late one
+    sender.send(TransferSpec("r2", [1], [5], receiver.address, secret=SECRETS.get("r2", b"")), src)
     assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
     assert receiver.poll("r1") is KVPoll.FAILED
     assert torch.equal(dst[0][4], before[0][4]) and torch.equal(dst[0][5], src[0][1])
@@ -183,7 +198,10 @@ def test_sender_fails_when_nobody_receives(make, backend) -> None:
     sender = make.sender()
     address = {"zmq": "tcp://127.0.0.1:{}", "ucx": "ucx://127.0.0.1:{}"}[backend]
     address = address.format(free_port())
-    sender.send(TransferSpec("r1", [0], [0], address, timeout_s=0.3), cache(1))
+    sender.send(
+        TransferSpec("r1", [0], [0], address, timeout_s=0.3, secret=SECRETS.get("r1", b"")),
+        cache(1),
+    )
     assert wait(lambda: sender.poll("r1")) is KVPoll.FAILED
     if backend == "zmq":  # zmq keeps trying to connect until the deadline
         assert sender.failure_reason("r1") == "timed out"
@@ -199,12 +217,12 @@ def test_unexpected_or_released_transfer_is_dropped(make, backend, release_first
     receiver = make.receiver(dst)
     sender = make.sender()
     if release_first:
-        receiver.expect("r1", [6])
+        SECRETS["r1"] = receiver.expect("r1", [6])
         receiver.release("r1")
-    sender.send(TransferSpec("r1", [0], [6], receiver.address), src)
+    sender.send(TransferSpec("r1", [0], [6], receiver.address, secret=SECRETS.get("r1", b"")), src)
     assert wait(lambda: sender.poll("r1")) is KVPoll.DONE  # sent, though nobody wanted it
-    receiver.expect("r2", [7])
-    sender.send(TransferSpec("r2", [1], [7], receiver.address), src)
+    SECRETS["r2"] = receiver.expect("r2", [7])
+    sender.send(TransferSpec("r2", [1], [7], receiver.address, secret=SECRETS.get("r2", b"")), src)
     assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
     with pytest.raises(TransferError, match="unknown request id 'r1'"):
         receiver.poll("r1")
@@ -224,12 +242,19 @@ def test_layout_mismatch_on_the_wire_fails(make, backend, src_kw, reason) -> Non
     dst = cache(2)
     receiver = make.receiver(dst)
     sender = make.sender()
-    receiver.expect("r1", [1])
-    sender.send(TransferSpec("r1", [0], [1], receiver.address), cache(1, **src_kw))
+    SECRETS["r1"] = receiver.expect("r1", [1])
+    sender.send(
+        TransferSpec("r1", [0], [1], receiver.address, secret=SECRETS.get("r1", b"")),
+        cache(1, **src_kw),
+    )
     assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
     assert receiver.failure_reason("r1") == reason
-    receiver.expect("r2", [3])  # what was drained does not confuse the next transfer
-    sender.send(TransferSpec("r2", [0], [3], receiver.address), cache(5))
+    SECRETS["r2"] = receiver.expect(
+        "r2", [3]
+    )  # what was drained does not confuse the next transfer
+    sender.send(
+        TransferSpec("r2", [0], [3], receiver.address, secret=SECRETS.get("r2", b"")), cache(5)
+    )
     assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
     assert torch.equal(dst[0][3], cache(5)[0][0])
 
@@ -240,8 +265,11 @@ def test_other_destination_blocks_fail(make, backend) -> None:
     before = [t.clone() for t in dst]
     receiver = make.receiver(dst)
     sender = make.sender()
-    receiver.expect("r1", [1, 2])
-    sender.send(TransferSpec("r1", [0, 1], [2, 1], receiver.address), cache(1))
+    SECRETS["r1"] = receiver.expect("r1", [1, 2])
+    sender.send(
+        TransferSpec("r1", [0, 1], [2, 1], receiver.address, secret=SECRETS.get("r1", b"")),
+        cache(1),
+    )
     assert wait(lambda: receiver.poll("r1")) is KVPoll.FAILED
     assert (
         receiver.failure_reason("r1") == "destination blocks [2, 1] differ from the expected ones"
@@ -261,8 +289,8 @@ def test_garbage_frames_do_not_kill_the_receiver(make, backend) -> None:
     push.close(linger=1000)
     ctx.term()
     sender = make.sender()
-    receiver.expect("r1", [1])
-    sender.send(TransferSpec("r1", [0], [1], receiver.address), src)
+    SECRETS["r1"] = receiver.expect("r1", [1])
+    sender.send(TransferSpec("r1", [0], [1], receiver.address, secret=SECRETS.get("r1", b"")), src)
     assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
 
 
@@ -274,28 +302,30 @@ def test_bad_arguments_and_close(make, backend) -> None:
     receiver = make.receiver(cache(2))
     sender = make.sender()
     with pytest.raises(ValueError, match=r"^r1: block ids \[10\] outside \[0, 10\)$"):
-        receiver.expect("r1", [3, 10])
+        SECRETS["r1"] = receiver.expect("r1", [3, 10])
     with pytest.raises(ValueError, match=r"^r1: repeated block ids$"):
-        receiver.expect("r1", [3, 3])
-    receiver.expect("r1", [3])
+        SECRETS["r1"] = receiver.expect("r1", [3, 3])
+    SECRETS["r1"] = receiver.expect("r1", [3])
     with pytest.raises(ValueError, match=r"request id 'r1' is already in use"):
-        receiver.expect("r1", [4])
+        SECRETS["r1"] = receiver.expect("r1", [4])
     with pytest.raises(TransferError, match=r"unknown request id 'nope'"):
         sender.poll("nope")
     receiver.release("never-seen")  # a no-op
     sender.close()
     sender.close()
     with pytest.raises(TransferError, match=r"sender is closed"):
-        sender.send(TransferSpec("r1", [0], [3], receiver.address), cache(1))
+        sender.send(
+            TransferSpec("r1", [0], [3], receiver.address, secret=SECRETS.get("r1", b"")), cache(1)
+        )
     receiver.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kv-")]
 
 
 def test_transfer_spec_and_factory_errors() -> None:
     with pytest.raises(ValueError, match=r"^transfer 'r1': 2 source blocks but 1 destination"):
-        TransferSpec("r1", [0, 1], [2], "tcp://x:1")
+        TransferSpec("r1", [0, 1], [2], "tcp://x:1", secret=SECRETS.get("r1", b""))
     with pytest.raises(ValueError, match=r"^transfer 'r1': no blocks to send$"):
-        TransferSpec("r1", [], [], "tcp://x:1")
+        TransferSpec("r1", [], [], "tcp://x:1", secret=SECRETS.get("r1", b""))
     with pytest.raises(ValueError) as info:
         make_sender("rdma")
     assert str(info.value) == (
@@ -329,3 +359,25 @@ def test_ucx_backend_without_ucxx(monkeypatch) -> None:
     assert reason is not None and reason.startswith("ucxx is not importable: ")
     with pytest.raises(TransferError, match=r"^ucxx is not importable: "):
         make_sender("ucx")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_transfer_without_its_secret_is_dropped(make, backend) -> None:
+    """Only the sender handed the reservation's secret may write its blocks: a forged one (no
+    secret, a wrong one) changes nothing and leaves the reservation for the real one."""
+    src, dst, forged = cache(1), cache(2), cache(3)
+    before = [t.clone() for t in dst]
+    receiver = make.receiver(dst)
+    sender = make.sender()
+    secret = receiver.expect("r1", [4, 5])
+    assert len(secret) == 16 and receiver.expect("r2", [6]) != secret
+    for wrong in [b"", bytes(16), secret[:-1] + bytes([secret[-1] ^ 1])]:
+        attacker = make.sender()
+        attacker.send(TransferSpec("r1", [0, 1], [4, 5], receiver.address, secret=wrong), forged)
+        assert wait(lambda a=attacker: a.poll("r1")) is KVPoll.DONE  # handed to the transport
+    time.sleep(0.2)
+    assert receiver.poll("r1") is KVPoll.PENDING
+    assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
+    sender.send(TransferSpec("r1", [0, 1], [4, 5], receiver.address, secret=secret), src)
+    assert wait(lambda: receiver.poll("r1")) is KVPoll.DONE
+    assert_landed(dst, before, src, [0, 1], [4, 5])

@@ -1,0 +1,82 @@
+"""What the coordinator believes of a worker: its id is bound to the key that registered it,
+and the numbers it reports must fit what it registered.
+
+A worker's figures steer placement (the most free blocks, the fewest queued tokens win), so an
+impossible one (a billion blocks, a negative queue) would draw every request. Such a message is
+refused and logged, never clipped into something plausible.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from protocol import messages as m
+
+logger = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+MAX_KV_BYTES = 64 << 40  # one worker's KV cache: more than any node holds (64 TiB)
+MAX_LAYOUT = {"block_size": 4096, "num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096}
+MAX_MODEL_LEN = 1 << 24
+MAX_REQUESTS = 1 << 20  # running or waiting on one worker
+MAX_QUEUED_TOKENS = 1 << 40
+
+
+def register_problem(info: m.Register) -> str | None:
+    """Why a ``Register`` cannot be true, or None."""
+    layout = info.layout
+    for name, limit in MAX_LAYOUT.items():
+        value = getattr(layout, name)
+        if not 1 <= value <= limit:
+            return f"layout {name}={value} is outside [1, {limit}]"
+    size = DTYPE_BYTES.get(layout.dtype)
+    if size is None:
+        return f"unknown KV dtype {layout.dtype!r}"
+    block_bytes = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * size
+    block_bytes *= layout.num_layers
+    if not 1 <= info.num_blocks <= MAX_KV_BYTES // block_bytes:
+        return (
+            f"num_blocks={info.num_blocks} is outside [1, {MAX_KV_BYTES // block_bytes}] "
+            f"({block_bytes} bytes a block, at most {MAX_KV_BYTES >> 40} TiB of KV a worker)"
+        )
+    if not 0 <= info.max_model_len <= MAX_MODEL_LEN:
+        return f"max_model_len={info.max_model_len} is outside [0, {MAX_MODEL_LEN}]"
+    return None
+
+
+def heartbeat_problem(hb: m.Heartbeat | m.Reserved, num_blocks: int) -> str | None:
+    """Why a ``Heartbeat`` (or the figures in a ``Reserved``) cannot be true of a worker that
+    registered ``num_blocks``, or None."""
+    if isinstance(hb, m.Reserved):
+        if hb.free_blocks > num_blocks or any(not 0 <= b < num_blocks for b in hb.block_ids):
+            return f"free_blocks={hb.free_blocks} or block ids outside [0, {num_blocks})"
+        return None
+    if hb.total_blocks != num_blocks:
+        return f"total_blocks={hb.total_blocks}, registered {num_blocks}"
+    if hb.free_blocks < 0 or hb.used_blocks < 0 or hb.free_blocks + hb.used_blocks > num_blocks:
+        return f"free_blocks={hb.free_blocks} used_blocks={hb.used_blocks} of {num_blocks}"
+    for name in ("running", "waiting"):
+        if not 0 <= getattr(hb, name) <= MAX_REQUESTS:
+            return f"{name}={getattr(hb, name)} is outside [0, {MAX_REQUESTS}]"
+    if not 0 <= hb.queued_prompt_tokens <= MAX_QUEUED_TOKENS:
+        return f"queued_prompt_tokens={hb.queued_prompt_tokens} is outside [0, {MAX_QUEUED_TOKENS}]"
+    return None
+
+
+class RateLimitedLog:
+    """One line per key every ``interval_s``: a peer repeating a refused message each second
+    must not flood the log."""
+
+    def __init__(self, interval_s: float = 30.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+
+    def error(self, key: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, float("-inf")) < self.interval_s:
+            return
+        if len(self._last) > 4096:
+            self._last.clear()
+        self._last[key] = now
+        logger.error(fmt, *args)

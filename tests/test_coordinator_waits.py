@@ -1,0 +1,162 @@
+"""Coordinator bounds, stepped with a clock and no workers: a reservation or prefill job that
+gets no answer moves on or fails, a refusal tries another worker, the free-block estimate
+follows every answer, a request that can never fit is a 400, and no Abort or RequestError
+leaves a gateway waiting."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.coordinator import Coordinator
+from protocol import messages as m
+
+LAYOUT = m.KVLayout(16, "float32", 2, 2, 8)
+SPEC = m.SamplingSpec(max_tokens=4)
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.workers: list[tuple[str, m.Message]] = []
+        self.gateway: list[m.Message] = []
+
+    def to_worker(self, worker_id: str, address: str, msg: m.Message) -> None:
+        self.workers.append((worker_id, msg))
+
+    def to_gateway(self, address: str, msg: m.Message) -> None:
+        self.gateway.append(msg)
+
+    def forget_worker(self, worker_id: str) -> None:
+        pass
+
+    def take(self, kind: type) -> list[tuple[str, m.Message]]:
+        """The messages of ``kind`` sent to workers so far, and forget every message."""
+        out = [(w, msg) for w, msg in self.workers if isinstance(msg, kind)]
+        self.workers.clear()
+        return out
+
+
+def cluster(decode: dict[str, int], prefill: tuple[str, ...] = ("p0",)) -> tuple:
+    out = Outbox()
+    c = Coordinator(out, heartbeat_timeout_s=1e9, reserve_timeout_s=5, prefill_timeout_s=50)
+    for wid, blocks in decode.items():
+        c.handle(m.Register("decode", wid, "tiny", wid, f"t-{wid}", "zmq", LAYOUT, blocks), 0.0)
+    for wid in prefill:
+        c.handle(m.Register("prefill", wid, "tiny", wid, "", "zmq", LAYOUT, 64), 0.0)
+    return c, out
+
+
+def generate(c: Coordinator, rid: str, prompt_len: int = 20, now: float = 0.0) -> None:
+    c.handle(m.Generate(rid, "tiny", list(range(prompt_len)), SPEC, 1, "gw"), now)
+
+
+def reserved(wid: str, rid: str, free: int = -1, error: str | None = None) -> m.Reserved:
+    ids = [] if error else [1, 2]
+    return m.Reserved(rid, wid, ids, f"t-{wid}", error, 0, free)
+
+
+def test_a_black_holed_decode_worker_is_passed_over() -> None:
+    c, out = cluster({"d0": 64, "d1": 32})
+    generate(c, "r")
+    [(first, _)] = out.take(m.Reserve)
+    assert first == "d0"  # the most free blocks
+    c.tick(4.0)
+    assert out.take(m.Reserve) == []
+    c.tick(5.5)  # past the reservation timeout: d1 is asked, d0 told to let go
+    assert [(w, type(msg)) for w, msg in out.workers] == [("d0", m.Abort), ("d1", m.Reserve)]
+    out.workers.clear()
+    c.handle(reserved("d1", "r"), 6.0)
+    [(p, job)] = out.take(m.PrefillJob)
+    assert (p, job.decode_worker_id) == ("p0", "d1")
+    assert [type(x) for x in out.gateway] == [m.Accepted]
+    # d0 still heartbeats with the most free blocks, but gets nothing new for a while
+    generate(c, "next", now=7.0)
+    assert [w for w, _ in out.take(m.Reserve)] == ["d1"]
+    # a late answer from d0 is given back
+    c.handle(reserved("d0", "r"), 8.0)
+    assert [(w, msg.request_id) for w, msg in out.take(m.Abort)] == [("d0", "r")]
+
+
+def test_no_other_decode_worker_fails_the_request_with_the_reason() -> None:
+    c, out = cluster({"d0": 64})
+    generate(c, "r")
+    c.tick(6.0)
+    [error] = out.gateway
+    assert isinstance(error, m.RequestError) and (error.request_id, error.status) == ("r", 503)
+    assert "d0 did not answer a reservation" in error.message
+    assert c.routes == {}
+
+
+def test_a_refused_reservation_tries_another_decode_worker() -> None:
+    c, out = cluster({"d0": 64, "d1": 32})
+    generate(c, "r")
+    c.handle(reserved("d0", "r", error="no free blocks"), 0.1)
+    assert [w for w, _ in out.take(m.Reserve)] == ["d0", "d1"]
+    c.handle(reserved("d1", "r", error="no free blocks"), 0.2)
+    [error] = out.gateway
+    assert error.status == 503 and "d1 could not reserve: no free blocks" in error.message
+
+
+def test_a_silent_prefill_worker_loses_its_job() -> None:
+    c, out = cluster({"d0": 64}, prefill=("p0", "p1"))
+    generate(c, "r")
+    c.handle(reserved("d0", "r"), 0.1)
+    [(p, _job)] = out.take(m.PrefillJob)
+    c.tick(40.0)
+    assert out.workers == []
+    c.tick(60.0)
+    moved = [(w, type(msg)) for w, msg in out.workers]
+    other = ({"p0", "p1"} - {p}).pop()
+    assert moved == [(p, m.Abort), (other, m.PrefillJob)]
+    c.tick(120.0)  # and the other one too: the request fails, the reservation is freed
+    [error] = [x for x in out.gateway if isinstance(x, m.RequestError)]
+    assert error.status == 503 and "no other prefill worker" in error.message
+    assert ("d0", m.Abort) in [(w, type(msg)) for w, msg in out.workers]
+
+
+def test_the_free_block_estimate_follows_every_answer() -> None:
+    # 41 of 64 blocks each: the estimate alone (64 - 41) refuses the second request until a
+    # heartbeat; the worker's own count in each answer lets all ten through
+    c, out = cluster({"d0": 64})
+    for i in range(10):
+        generate(c, f"r{i}", prompt_len=640, now=float(i))
+        assert [w for w, _ in out.take(m.Reserve)] == ["d0"], out.gateway
+        c.handle(reserved("d0", f"r{i}", free=64 - 41), i + 0.1)
+        c.handle(m.Finished(f"r{i}", 0, "d0"), i + 0.2)  # its blocks are free again
+        c.handle(reserved("d0", "gone", free=64), i + 0.3)  # any answer carries the count
+    assert not [x for x in out.gateway if isinstance(x, m.RequestError)]
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "what"),
+    [(60, 10, "more than the 64"), (300, 4, "context length of 256")],
+)
+def test_a_request_that_can_never_fit_is_a_400(prompt_len, max_tokens, what) -> None:
+    out = Outbox()
+    c = Coordinator(out)
+    reg = m.Register("decode", "d0", "tiny", "d0", "t", "zmq", LAYOUT, 4, "", 256)
+    c.handle(reg, 0.0)
+    c.handle(m.Register("prefill", "p0", "tiny", "p0", "", "zmq", LAYOUT, 64, "", 256), 0.0)
+    spec = m.SamplingSpec(max_tokens=max_tokens)
+    c.handle(m.Generate("r", "tiny", list(range(prompt_len)), spec, 1, "gw"), 0.0)
+    [error] = out.gateway
+    assert error.status == 400 and what in error.message, error.message
+    assert out.workers == []
+
+
+def test_a_forged_abort_or_error_ends_the_stream_at_its_gateway() -> None:
+    c, out = cluster({"d0": 64})
+    for rid in ("a", "b"):
+        generate(c, rid)
+        c.handle(reserved("d0", rid), 0.1)
+    out.gateway.clear()
+    c.handle(m.Abort("a", "forged"), 0.2)
+    c.handle(m.RequestError("b", 500, "forged failure"), 0.2)
+    assert [(e.request_id, e.status, e.message) for e in out.gateway] == [
+        ("a", 503, "aborted: forged"),
+        ("b", 500, "forged failure"),
+    ]
+    assert c.routes == {}
+    aborted = sorted((w, msg.request_id) for w, msg in out.take(m.Abort))
+    assert aborted == [("d0", "a"), ("d0", "b"), ("p0", "a"), ("p0", "b")]
+    c.handle(m.Abort("a", "again"), 0.3)  # unknown by now: nothing more to say
+    assert len(out.gateway) == 2

@@ -1,0 +1,184 @@
+"""Real processes: a decode worker that heartbeats but never answers a reservation has its
+requests served elsewhere; the gateway keeps its memory bounded under oversized prompts and
+drops idle connections while a normal client is served."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import zmq
+
+from engine.wire import kv_layout
+from protocol import messages as m
+from protocol.codec import decode, encode
+from tests.e2e_util import ServedCluster
+from tests.engine_util import make_engine
+
+
+def _children(parent: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()]
+    return [(int(pid), args) for pid, ppid, args in rows if int(ppid) == parent]
+
+
+def _coordinator_address(c: ServedCluster) -> str:
+    [args] = [a for _, a in _children(c.proc.pid) if " coordinator " in a]
+    flag = next(x for x in args.split() if x.startswith("--address-file="))
+    with open(flag.split("=", 1)[1]) as f:
+        return f.read().strip()
+
+
+class BlackHole(threading.Thread):
+    """A decode worker that registers and heartbeats (more free blocks than anyone) and
+    never answers: every Reserve it gets is counted and dropped."""
+
+    def __init__(self, coordinator: str, model: str, layout: m.KVLayout) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(coordinator)
+        self.pull = self.ctx.socket(zmq.PULL)
+        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.register = m.Register(
+            "decode", "blackhole", model, f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1",
+            "zmq", layout, 100_000, "", 0,
+        )  # fmt: skip
+        self.reserves = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        beat = m.Heartbeat("blackhole", 100_000, 0, 100_000, 0, 0, 0)
+        while not self.stop.is_set():
+            self.push.send_multipart(encode(self.register))
+            self.push.send_multipart(encode(beat))
+            while self.pull.poll(200):
+                if isinstance(decode(self.pull.recv_multipart()), m.Reserve):
+                    self.reserves += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(5)
+        self.ctx.destroy(linger=0)
+
+
+def test_a_black_holed_decode_worker_has_its_requests_served_elsewhere(tiny_dir) -> None:
+    layout = kv_layout(make_engine(tiny_dir, block_size=16, num_blocks=8))
+    c = ServedCluster(tiny_dir, "--insecure", "--num-kv-blocks=256")
+    hole = BlackHole(_coordinator_address(c), c.model_name, layout)
+    hole.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "blackhole" not in c.metrics() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        body = {"model": c.model_name, "prompt": "hello there", "max_tokens": 8, "ignore_eos": True}
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(
+                pool.map(lambda _: httpx.post(f"{c.url}/v1/completions", json=body, timeout=60),
+                         range(4))
+            )  # fmt: skip
+        assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+        assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+        assert hole.reserves >= 1  # it was asked, and passed over
+        assert set(c.wait_blocks_free(timeout=10).values()) == {0.0}
+        assert "did not answer a reservation" in c.output()
+    finally:
+        hole.close()
+        c.stop()
+
+
+def _rss_peak_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+RSS_BOUND_MIB = 400  # the gateway's peak while six 7 MB prompts are refused at once
+
+
+def test_gateway_bounds_memory_and_drops_idle_connections(tiny_dir) -> None:
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=128")
+    try:
+        [(gateway, _)] = [p for p in _children(c.proc.pid) if " gateway " in p[1]]
+        ok = {"model": c.model_name, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{c.url}/v1/completions", json=ok, timeout=30).status_code == 200
+        before = _rss_peak_mib(gateway)
+        huge = {"model": c.model_name, "prompt": "lorem ipsum dolor " * 400_000, "max_tokens": 1}
+        with ThreadPoolExecutor(6) as pool:
+            refused = list(
+                pool.map(lambda _: httpx.post(f"{c.url}/v1/completions", json=huge, timeout=120),
+                         range(6))
+            )  # fmt: skip
+        assert {r.status_code for r in refused} == {400}
+        assert refused[0].json()["error"]["code"] == "context_length_exceeded"
+        peak = _rss_peak_mib(gateway)
+        print(f"gateway peak RSS {before:.0f} -> {peak:.0f} MiB")
+        assert peak < RSS_BOUND_MIB, (before, peak)
+
+        # 200 connections that never send a byte, and 20 that send half their headers
+        idle = [socket.create_connection(("127.0.0.1", c.port)) for _ in range(200)]
+        slow = [socket.create_connection(("127.0.0.1", c.port)) for _ in range(20)]
+        for s in slow:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert httpx.post(f"{c.url}/v1/completions", json=ok, timeout=30).status_code == 200
+        for s in idle + slow:  # closed by the gateway's header deadline (10 s)
+            s.settimeout(30)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(1024) == b""
+            s.close()
+    finally:
+        c.stop()
+
+
+def _stream(url: str, body: dict, events: list, first: threading.Event) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+
+
+def test_streams_end_soon_after_the_coordinator_is_lost(tiny_dir) -> None:
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=256")
+    try:
+        body = {
+            "model": c.model_name,
+            "prompt": "once upon a time",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        runs = [([], threading.Event()) for _ in range(4)]
+        threads = [
+            threading.Thread(target=_stream, args=(c.url, body, ev, first)) for ev, first in runs
+        ]
+        for t in threads:
+            t.start()
+        for _, first in runs:
+            assert first.wait(60)
+        [(pid, _)] = [p for p in _children(c.proc.pid) if " coordinator " in p[1]]
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(60)  # bounded: the gateway gives up on a request that stops moving
+            assert not t.is_alive()
+        for events, _ in runs:
+            assert events[-1] == "[DONE]"
+            last = events[-2]
+            assert '"finish_reason":"length"' in last or "coordinator" in last, last
+        pattern = r"^pdserve_gateway_requests_in_flight (\S+)$"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if float(re.search(pattern, c.metrics(), re.MULTILINE).group(1)) == 0:
+                break
+            time.sleep(0.2)
+        assert float(re.search(pattern, c.metrics(), re.MULTILINE).group(1)) == 0
+    finally:
+        c.stop()
