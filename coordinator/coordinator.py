@@ -50,8 +50,15 @@ class Coordinator(Recovery):
         *,
         reserve_timeout_s: float = 5.0,
         prefill_timeout_s: float = 120.0,
+        queue_timeout_s: float = 60.0,
+        max_queued: int = 4096,
     ) -> None:
-        for name, value in (("reserve", reserve_timeout_s), ("prefill", prefill_timeout_s)):
+        timeouts = (
+            ("reserve", reserve_timeout_s),
+            ("prefill", prefill_timeout_s),
+            ("queue", queue_timeout_s),
+        )
+        for name, value in timeouts:
             if not value > 0:
                 raise ValueError(f"the {name} timeout must be > 0 s, got {value}")
         self.outbox = outbox
@@ -59,6 +66,8 @@ class Coordinator(Recovery):
         self.routes = RouteTable()
         self.reserve_timeout_s = reserve_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
+        self.queue_timeout_s = queue_timeout_s
+        self.max_queued = max_queued
         # workers that let a reservation or a prefill job time out -> when; passed over for
         # new work until they answer again or ``SILENT_HOLD_S`` has passed
         self.silent: dict[str, float] = {}
@@ -71,7 +80,7 @@ class Coordinator(Recovery):
             return
         handler = {
             m.Register: self._register,
-            m.Heartbeat: lambda hb, t: self.registry.heartbeat(hb, t),
+            m.Heartbeat: self._heartbeat,
             m.GatewayHello: lambda h, _t: self.outbox.to_gateway(
                 h.stream_address, self.registry.cluster_state()
             ),
@@ -88,6 +97,10 @@ class Coordinator(Recovery):
         self._now = now
         handler(msg, now)
 
+    def _heartbeat(self, hb: m.Heartbeat, now: float) -> None:
+        if self.registry.heartbeat(hb, now):
+            self._place_queued()  # its free blocks are known afresh
+
     def _register(self, info: m.Register, now: float) -> None:
         known = self.registry.workers.get(info.worker_id)
         if known is not None and known.info == info:
@@ -99,6 +112,7 @@ class Coordinator(Recovery):
             del self.registry.workers[info.worker_id]
             self.outbox.forget_worker(info.worker_id)
             self._reroute_from(info.worker_id)
+        self.silent.pop(info.worker_id, None)  # a new process: nothing of the old one's holds
         try:
             self.registry.register(info, now)
         except LayoutMismatchError as e:
@@ -137,6 +151,12 @@ class Coordinator(Recovery):
         tried = tried or set()
         worker = self.registry.pick_decode_avoiding(req.model, need, tried | self._silent())
         if worker is None:
+            if self._can_queue(req.model):
+                # the pool is full for now: wait for blocks to come back, oldest first
+                route = Route(req, choice, "queued", since=self._now, need=need)
+                self.routes.add(route)
+                logger.info("request %s#%d: queued (%s)", req.request_id, choice, why or "full")
+                return True
             key = (req.request_id, choice)
             message = "no decode worker has free KV blocks for this prompt"
             self._fail(key, 503, f"{why}; {message}" if why else message, req)
@@ -144,11 +164,37 @@ class Coordinator(Recovery):
         route = Route(req, choice, "reserving", decode=worker.worker_id, since=self._now)
         route.need, route.tried = need, tried
         self.routes.add(route)
-        msg = m.Reserve(
-            req.request_id, req.prompt_token_ids, req.sampling, req.n, req.stream_address, choice
-        )
-        self._send(worker.worker_id, msg)
+        self._send_reserve(route)
         return True
+
+    def _send_reserve(self, route: Route) -> None:
+        req = route.request
+        msg = m.Reserve(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            req.n,
+            req.stream_address,
+            route.choice,
+        )
+        self._send(route.decode, msg)
+
+    def _can_queue(self, model: str) -> bool:
+        """A choice may wait for blocks while some decode worker of its model answers and the
+        queue has room; else it fails at once (503, retryable)."""
+        queued = sum(1 for r in self.routes.values() if r.state == "queued")
+        return queued < self.max_queued and self.registry.has_decoder(model, self._silent())
+
+    def _place_queued(self) -> None:
+        """Reserve for waiting choices, oldest first, while decode blocks allow."""
+        silent = self._silent()
+        for route in [r for r in self.routes.values() if r.state == "queued"]:
+            req = route.request
+            worker = self.registry.pick_decode_avoiding(req.model, route.need, silent)
+            if worker is None:
+                return  # first come, first served: no later, smaller one jumps the queue
+            route.state, route.decode, route.since = "reserving", worker.worker_id, self._now
+            self._send_reserve(route)
 
     def _resume(self, req: m.Generate) -> None:
         """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far

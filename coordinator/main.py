@@ -83,6 +83,12 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a prefill job has to finish its KV transfer before it moves elsewhere",
     )
     parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request may wait for free decode KV blocks before a 503",
+    )
+    parser.add_argument(
         "--max-gateways", type=int, default=64, help="gateways served at once (the rest wait)"
     )
     parser.add_argument(
@@ -102,6 +108,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         args.heartbeat_timeout,
         reserve_timeout_s=args.reserve_timeout,
         prefill_timeout_s=args.prefill_timeout,
+        queue_timeout_s=args.queue_timeout,
     )
     if args.address_file:
         tmp = f"{args.address_file}.tmp"

@@ -26,6 +26,7 @@ class Recovery:
     routes: RouteTable
     reserve_timeout_s: float
     prefill_timeout_s: float
+    queue_timeout_s: float
     silent: dict[str, float]
     _now: float
 
@@ -43,6 +44,9 @@ class Recovery:
     def _pick_prefill(self, req: m.Generate, tried: set[str]) -> Worker | None:
         raise NotImplementedError
 
+    def _place_queued(self) -> None:
+        raise NotImplementedError
+
     def tick(self, now: float) -> None:
         self._now = now
         for worker in self.registry.expire(now):
@@ -50,6 +54,7 @@ class Recovery:
             self.silent.pop(worker.worker_id, None)
             self._reroute_from(worker.worker_id)
         self._expire_waits(now)
+        self._place_queued()
 
     def _reroute_from(self, worker_id: str) -> None:
         for key, route in list(self.routes.items()):
@@ -103,7 +108,10 @@ class Recovery:
             if self.routes.get(key) is not route:
                 continue  # ended or placed again while this loop ran
             waited = now - route.since
-            if route.state == "reserving" and waited > self.reserve_timeout_s:
+            if route.state == "queued" and waited > self.queue_timeout_s:
+                why = f"no decode worker had free KV blocks for {waited:.0f} s"
+                self._fail(key, 503, why, route.request)
+            elif route.state == "reserving" and waited > self.reserve_timeout_s:
                 wid = route.decode
                 why = f"decode worker {wid} did not answer a reservation in {waited:.1f} s"
                 logger.warning("request %s#%d: %s", key[0], key[1], why)

@@ -182,6 +182,10 @@ class WorkerRegistry:
         pool = self._serving(model)
         return any(w.can_prefill for w in pool) and any(w.can_decode for w in pool)
 
+    def has_decoder(self, model: str, avoid: Collection[str] = ()) -> bool:
+        """Some decode worker of ``model`` takes work (not draining, not in ``avoid``)."""
+        return any(w.can_decode and w.worker_id not in avoid for w in self._serving(model))
+
     def _serving(self, model: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.info.model == model and not w.draining]
 

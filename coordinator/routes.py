@@ -14,11 +14,11 @@ Key = tuple[str, int]  # (request_id, choice)
 class Route:
     request: m.Generate
     choice: int
-    state: str  # reserving | prefilling | decoding | local
+    state: str  # queued | reserving | prefilling | decoding | local
     decode: str = ""
     prefill: str = ""
     job: m.PrefillJob | None = None  # kept to re-send if its prefill worker dies
-    since: float = 0.0  # when it entered its state (reserving and prefilling time out)
+    since: float = 0.0  # when it entered its state (queued, reserving, prefilling time out)
     need: int = 0  # decode blocks asked for while reserving
     tried: set[str] = field(default_factory=set)  # workers that refused or never answered
 

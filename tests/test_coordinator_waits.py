@@ -86,14 +86,33 @@ def test_no_other_decode_worker_fails_the_request_with_the_reason() -> None:
     assert c.routes == {}
 
 
-def test_a_refused_reservation_tries_another_decode_worker() -> None:
+def test_a_refused_reservation_tries_another_decode_worker_then_waits() -> None:
     c, out = cluster({"d0": 64, "d1": 32})
     generate(c, "r")
-    c.handle(reserved("d0", "r", error="no free blocks"), 0.1)
+    c.handle(reserved("d0", "r", free=0, error="no free blocks"), 0.1)
     assert [w for w, _ in out.take(m.Reserve)] == ["d0", "d1"]
-    c.handle(reserved("d1", "r", error="no free blocks"), 0.2)
-    [error] = out.gateway
-    assert error.status == 503 and "d1 could not reserve: no free blocks" in error.message
+    c.handle(reserved("d1", "r", free=0, error="no free blocks"), 0.2)
+    assert out.gateway == [] and c.routes[("r", 0)].state == "queued"
+    # blocks come back (a heartbeat says so): the oldest waiting choice is placed
+    c.handle(m.Heartbeat("d1", 32, 0, 32, 0, 0, 0), 1.0)
+    assert [w for w, _ in out.take(m.Reserve)] == ["d1"]
+    assert c.routes[("r", 0)].state == "reserving"
+
+
+def test_a_full_pool_queues_first_come_first_served_then_times_out() -> None:
+    c, out = cluster({"d0": 4})  # 4 blocks of 16 tokens: one 40-token prompt at a time
+    for rid in ("a", "b", "c"):
+        generate(c, rid, prompt_len=40)
+    assert [msg.request_id for _, msg in out.take(m.Reserve)] == ["a"]
+    assert [c.routes[(r, 0)].state for r in "bc"] == ["queued", "queued"]
+    c.handle(m.Abort("c", "client gone"), 0.5)  # a waiting choice can be aborted
+    assert ("c", 0) not in c.routes and out.take(m.Abort) == []  # no worker held anything
+    c.tick(30.0)  # still full: b waits on
+    assert out.take(m.Reserve) == [] and c.routes[("b", 0)].state == "queued"
+    c.tick(61.0)  # past the queue timeout: 503 with the reason
+    errors = [e for e in out.gateway if isinstance(e, m.RequestError) and e.request_id == "b"]
+    assert errors[0].status == 503 and "no decode worker had free KV blocks" in errors[0].message
+    assert ("b", 0) not in c.routes
 
 
 def test_a_silent_prefill_worker_loses_its_job() -> None:
