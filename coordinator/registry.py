@@ -8,6 +8,7 @@ heartbeat replaces both with the worker's own figures.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class WorkerRegistry:
     # worker id -> the CURVE identity (z85 public key) that registered it; "" when insecure
     owners: dict[str, str] = field(default_factory=dict)
     refusals: RateLimitedLog = field(default_factory=RateLimitedLog)
+    instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def admit(self, msg: m.Message, sender: str) -> bool:
         """Whether ``sender`` may say ``msg``: a live worker id speaks only with the key that
@@ -209,7 +211,8 @@ class WorkerRegistry:
             )
             for w in self.workers.values()
         ]
-        return m.ClusterState(sorted(models.values(), key=lambda s: s.name), workers)
+        models_list = sorted(models.values(), key=lambda s: s.name)
+        return m.ClusterState(models_list, workers, self.instance_id)
 
     # ---- added for reservation answers and timeouts (coordinator.coordinator) --------------
     def pick_decode_avoiding(

@@ -51,6 +51,8 @@ from protocol.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 
+RESTART_QUIET_S = 1.0  # a stream quiet this long when the coordinator restarts waits on it
+
 FINISH_REASONS = ("stop", "length")
 _Item = m.TokenChunk | m.RequestError | m.Accepted | BackendError  # on a request's queue
 
@@ -328,7 +330,10 @@ class ZmqBackend(Backend):
 
     def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.ClusterState):
+            before = self._state.coordinator_id if self._state is not None else ""
             self._state, self._state_at = msg, self._clock()
+            if before and msg.coordinator_id != before:
+                self._fail_waiting_on_lost_coordinator()
         elif isinstance(msg, (m.TokenChunk, m.RequestError, m.Accepted)):
             pending = self._pending.get(msg.request_id)
             if pending is None:  # over, aborted, or never ours
@@ -366,6 +371,20 @@ class ZmqBackend(Backend):
                 continue
             log.warning("%s", message)
             del self._pending[rid]  # what comes for it later is dropped
+            pending.answered = True
+            pending.queue.put_nowait(BackendError(message, 503))
+
+    def _fail_waiting_on_lost_coordinator(self) -> None:
+        """A new coordinator knows none of the requests in flight: those still waiting on it
+        (no answer yet, or quiet since token 0, their KV hand-off passed through the old one)
+        fail now; streams whose tokens flow from a decode worker go on."""
+        now = self._clock()
+        for rid, pending in list(self._pending.items()):
+            if pending.answered and now - pending.last_at <= RESTART_QUIET_S:
+                continue
+            message = f"request {rid} lost: the coordinator at {self.coordinator_address} restarted"
+            log.warning("%s", message)
+            del self._pending[rid]
             pending.answered = True
             pending.queue.put_nowait(BackendError(message, 503))
 

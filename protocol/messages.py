@@ -171,6 +171,7 @@ class ClusterState(Message):
 
     models: list[ServedModel]
     workers: list[WorkerStatus]
+    coordinator_id: str = ""  # new at each coordinator start: a gateway sees a restart
 
 
 # ---- request lifecycle -----------------------------------------------------------------------

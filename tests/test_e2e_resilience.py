@@ -105,7 +105,8 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
             time.sleep(0.2)
         assert c.kv_blocks_used().get(dead) == 0.0, "the restarted worker never reported"
         seen = False
-        short = {**body, "max_tokens": 300}
+        # long enough to span several heartbeats (the blocks-used figure moves with them)
+        short = {**body, "max_tokens": 1500}
         streams = [
             threading.Thread(target=stream_events, args=(c.url, short, [], threading.Event()))
             for _ in range(4)
@@ -115,7 +116,7 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
         while any(s.is_alive() for s in streams):
             seen = seen or c.kv_blocks_used().get(dead, 0.0) > 0
             time.sleep(0.1)
-        assert seen, "the restarted worker got no traffic"
+        assert seen, f"the restarted worker got no traffic:\n{c.output()[-6000:]}"
         assert set(c.wait_blocks_free().values()) == {0.0}
     finally:
         c.stop()
