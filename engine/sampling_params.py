@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.messages import StructuredSpec
+
 _GREEDY_EPS = 1e-5
 
 
@@ -22,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; k >= 0: sampled token plus top-k alternatives
+    structured: StructuredSpec | None = None  # output constraint (``engine.structured``)
 
     def __post_init__(self) -> None:
         self.validate()

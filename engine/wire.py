@@ -27,7 +27,8 @@ def engine_key(request_id: str, choice: int) -> str:
 
 def sampling_params(spec: m.SamplingSpec, choice: int = 0) -> SamplingParams:
     """Rebuild (and validate) the params; choice ``c`` of a seeded request draws from seed+c."""
-    params = SamplingParams(**dataclasses.asdict(spec))
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    params = SamplingParams(**fields)
     if params.seed is not None and choice:
         params.seed += choice
     return params

@@ -45,6 +45,7 @@ __all__ = [
     "Reserve",
     "Reserved",
     "SamplingSpec",
+    "StructuredSpec",
     "ServedModel",
     "TokenChunk",
     "TokenLogprob",
@@ -72,6 +73,19 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the output (``engine.structured`` compiles it; one matcher per choice).
+
+    ``kind`` "json": ``spec`` is a JSON Schema (``{"type": "object"}`` for OpenAI's
+    json_object); "regex": a regular expression the whole output matches; "choice": a JSON list
+    of strings, the output is one of them; "grammar": a Lark grammar or a GBNF/EBNF one.
+    """
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: str
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """``engine.sampling_params.SamplingParams`` on the wire: same fields, same defaults.
 
@@ -91,6 +105,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
 
 @dataclass(frozen=True)

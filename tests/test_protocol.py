@@ -120,7 +120,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 1,
+        "v": 2,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -166,8 +166,8 @@ def test_sampling_spec_mirrors_sampling_params() -> None:
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=2), "Abort: protocol version 2, expected 1"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 1"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 2"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 2"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
