@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocks
 from engine.engine import LLMEngine, RequestOutput
-from engine.wire import Outbox, engine_key, engine_logprob, sampling_params, wire_logprobs
+from engine.wire import (
+    Outbox,
+    TokenBatcher,
+    engine_key,
+    engine_logprob,
+    sampling_params,
+    wire_logprobs,
+)
 from kvtransfer.base import KVPoll, KVReceiver
 from protocol import messages as m
 
@@ -61,6 +68,7 @@ class DecodeWorker:
         self.receiver = receiver
         self.worker_id = worker_id
         self.outbox = outbox
+        self.tokens = TokenBatcher(outbox)  # this step's chunks, one message per gateway
         self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
         self.reserved: dict[str, Choice] = {}
@@ -166,6 +174,7 @@ class DecodeWorker:
             return bool(self.receiving)
         for out in self.engine.step():
             self._emit(out)
+        self.tokens.flush()
         return True
 
     def _admit_received(self) -> None:
@@ -231,7 +240,7 @@ class DecodeWorker:
             self.outbox.to_coordinator(m.Finished(choice.request_id, choice.choice, self.worker_id))
             if out.finish_reason == "abort":
                 return
-        self.outbox.to_gateway(
+        self.tokens.add(
             choice.stream_address,
             m.TokenChunk(
                 request_id=choice.request_id,
@@ -249,6 +258,7 @@ class DecodeWorker:
     def _fail(self, choice: Choice, status: int, message: str) -> None:
         logger.warning("request %s#%d failed: %s", choice.request_id, choice.choice, message)
         error = m.RequestError(choice.request_id, status, message)
+        self.tokens.flush()
         self.outbox.to_gateway(choice.stream_address, error)
         self.outbox.to_coordinator(error)
 

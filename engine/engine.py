@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.grammar import GrammarCache
 from engine.kv_handoff import KVHandoffMixin
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -70,6 +71,7 @@ class LLMEngine(KVHandoffMixin):
             )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = _eos_ids(config.model, self.model_config)
+        self._grammars: GrammarCache | None = None  # built on the first constrained request
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -106,7 +108,18 @@ class LLMEngine(KVHandoffMixin):
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
+        if params.structured is not None:
+            seq.matcher = self.grammars.matcher(params.structured)
         return seq
+
+    @property
+    def grammars(self) -> GrammarCache:
+        if self._grammars is None:
+            tokenizer = Tokenizer.from_dir(self.config.model)
+            self._grammars = GrammarCache(
+                tokenizer.to_json(), self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -172,6 +185,13 @@ class LLMEngine(KVHandoffMixin):
         seq.token_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # cannot happen for a token sampled under the mask; never let it pass as "stop"
+            logger.error("%s: constraint broken: %s", seq.request_id, seq.matcher.get_error())
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            return
         self._check_finish(seq, token)
 
     def _check_finish(self, seq: Sequence, token: int) -> None:

@@ -12,6 +12,7 @@ Hugging Face's "rotate half" order here.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,14 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that are added (special) tokens
+# SmolLM2's chat template (every size): plain ChatML with a default system turn, no tools
+_CHATML_DEFAULT_SYSTEM = re.compile(
+    r"\{% for message in messages %\}\{% if loop\.first and messages\[0\]\['role'\] != 'system' "
+    r"%\}\{\{ '<\|im_start\|>system\n(?P<system>[^'\\{}%]*)<\|im_end\|>\n' \}\}\{% endif %\}"
+    r"\{\{'<\|im_start\|>' \+ message\['role'\] \+ '\n' \+ message\['content'\] \+ "
+    r"'<\|im_end\|>' \+ '\n'\}\}\{% endfor %\}\{% if add_generation_prompt %\}"
+    r"\{\{ '<\|im_start\|>assistant\n' \}\}\{% endif %\}"
+)
 
 
 @dataclass(frozen=True)
@@ -233,7 +242,7 @@ def write_tokenizer(f: GGUFFile, out: Path, config: dict[str, Any]) -> None:
     }
     template = f.field("tokenizer.chat_template")
     if template:
-        tokenizer_config["chat_template"] = template
+        tokenizer_config["chat_template"] = tool_chat_template(template)
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     special_map = {
         f"{k}_token": v
@@ -253,3 +262,15 @@ def write_tokenizer(f: GGUFFile, out: Path, config: dict[str, Any]) -> None:
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def tool_chat_template(template: str) -> str:
+    """``template``, or, for SmolLM2's, the same ChatML turns with tools in the Qwen/Hermes
+    style (``engine/data/chatml_tools.jinja``, with its default system turn): it renders every
+    conversation without tools exactly as the original does, and tool calls, tool results
+    and a tools list besides, so ``tools`` reach the model (vLLM would ignore them)."""
+    match = _CHATML_DEFAULT_SYSTEM.fullmatch(template)
+    if match is None:
+        return template
+    tools = (Path(__file__).parent / "data" / "chatml_tools.jinja").read_text(encoding="utf-8")
+    return "{%- set default_system = '" + match["system"] + "' %}\n" + tools.strip()

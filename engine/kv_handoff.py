@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.grammar import advance
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 
@@ -103,6 +104,8 @@ class KVHandoffMixin:
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         seq.token_ids.extend(generated)
         seq.num_returned_tokens = len(generated)
+        if seq.matcher is not None:
+            advance(seq.matcher, generated)  # the constraint resumes where they left it
         if seq.generator is not None and not params.greedy:
             # each earlier token drew once from this seed elsewhere; stay in step with it
             for _ in generated:

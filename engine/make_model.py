@@ -37,6 +37,13 @@ BOS, END_OF_TEXT, IM_START, IM_END, PAD = SPECIAL_TOKENS = (
     "<|pad|>",
 )
 VOCAB_SIZE = 2048
+# chat templates: plain ChatML, or ChatML turns with tools in a family's style (both render a
+# conversation without tools exactly as plain ChatML does)
+TEMPLATES = {
+    "chatml": "chatml.jinja",
+    "hermes": "chatml_tools.jinja",
+    "llama3": "llama3_tools.jinja",
+}
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_THETA = 10000.0
@@ -71,14 +78,18 @@ def make_model(
     arch: str = "llama",
     dtype: str = "float32",
     num_shards: int = 1,
+    template: str = "hermes",
 ) -> Path:
-    """Write a model directory that transformers loads unmodified; returns ``out_dir``."""
+    """Write a model directory that transformers loads unmodified; returns ``out_dir``.
+    ``template``: the chat template's tool-call style (``TEMPLATES``)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose one of {sorted(TEMPLATES)}")
     p = PRESETS[preset]
     tok = build_tokenizer(arch)
     tensors = make_weights(p, arch, tok.get_vocab_size(), seed, DTYPES[dtype])
@@ -91,7 +102,7 @@ def make_model(
     _write_json(out / "config.json", _model_config(p, arch, dtype, tok.get_vocab_size(), ids))
     generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[IM_END], ids[END_OF_TEXT]]}
     _write_json(out / "generation_config.json", generation)
-    _write_tokenizer_config(out, arch, p.max_position_embeddings, ids)
+    _write_tokenizer_config(out, arch, p.max_position_embeddings, ids, template)
     _save_tensors(tensors, out, num_shards)
     return out
 
@@ -240,9 +251,11 @@ def _model_config(
     return config
 
 
-def _write_tokenizer_config(out: Path, arch: str, max_len: int, ids: dict[str, int]) -> None:
+def _write_tokenizer_config(
+    out: Path, arch: str, max_len: int, ids: dict[str, int], template: str
+) -> None:
     bos = BOS if arch == "llama" else None
-    chatml = (DATA_DIR / "chatml.jinja").read_text(encoding="utf-8").strip()
+    chatml = (DATA_DIR / TEMPLATES[template]).read_text(encoding="utf-8").strip()
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     _write_json(
         out / "tokenizer_config.json",
@@ -299,9 +312,17 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
+    parser.add_argument(
+        "--template",
+        choices=sorted(TEMPLATES),
+        default="hermes",
+        help="chat template: plain ChatML, or with tools in Qwen/Hermes or Llama 3.1 style",
+    )
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    out = make_model(args.out, args.preset, args.seed, args.arch, args.dtype, args.shards)
+    out = make_model(
+        args.out, args.preset, args.seed, args.arch, args.dtype, args.shards, args.template
+    )
     print(f"wrote {args.preset} {args.arch} model to {out}")
     return 0

@@ -57,6 +57,8 @@ class Sequence:
     num_returned_tokens: int = 0
     # Sampler state for penalties, kept across steps (engine/sampler.py PenaltyState).
     penalty: Any = None
+    # llguidance matcher of a constrained request (engine/grammar.py), advanced per token
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -9,6 +9,7 @@ must never import torch.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
@@ -78,6 +80,17 @@ class Tokenizer:
             model_eos_token_ids=_ids(model_config.get("eos_token_id")),
             generation_eos_token_ids=_ids(generation.get("eos_token_id")),
         )
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy whose only chat template is ``template`` (``--chat-template``: it replaces a
+        tool-use template too, as in vLLM)."""
+        out = copy.copy(self)
+        out._chat_templates = {"default": template}
+        return out
+
+    def to_json(self) -> str:
+        """tokenizer.json with the added special tokens (what llguidance reads)."""
+        return self._backend.to_str()
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +172,11 @@ class Tokenizer:
         # The template already writes the bos, so the post-processor must not add another.
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **extra)
         return self.encode(text, add_special_tokens=False)
+
+    def template_for(self, tools: Sequence[dict[str, Any]] | None) -> str:
+        """The template ``apply_chat_template`` renders with these ``tools``: the model's
+        ``tool_use`` template when tools are given and it has one (as transformers picks)."""
+        return self._select_template(tools)
 
     def _select_template(self, tools: Sequence[dict[str, Any]] | None) -> str:
         if tools is not None and "tool_use" in self._chat_templates:
@@ -261,12 +279,26 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (``messages``, ``tools``...);
+    ``ValueError`` when it does not parse."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template failed: {e}") from e
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)

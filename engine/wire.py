@@ -20,6 +20,23 @@ class Outbox(Protocol):
     def to_gateway(self, address: str, msg: m.Message) -> None: ...
 
 
+class TokenBatcher:
+    """A step's token chunks, sent as one ``TokenBatch`` per gateway by ``flush`` (at the end
+    of the step, and before anything else goes to a gateway, so nothing overtakes them)."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.pending: dict[str, list[m.TokenChunk]] = {}
+
+    def add(self, address: str, chunk: m.TokenChunk) -> None:
+        self.pending.setdefault(address, []).append(chunk)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, {}
+        for address, chunks in pending.items():
+            self.outbox.to_gateway(address, m.TokenBatch(chunks))
+
+
 def engine_key(request_id: str, choice: int) -> str:
     """One engine request per choice of a request (``n > 1`` runs ``n`` of them)."""
     return f"{request_id}#{choice}"

@@ -1,15 +1,17 @@
 """What a request must pass before the app sees it, as one ASGI middleware::
 
-    /v1/*                          API key (401)  ->  not draining (503)
+    /v1/*, /tokenize, /detokenize  API key (401)  ->  not draining (503)
     POST /v1/{chat/,}completions   JSON content type (415)  ->  body within the limit (413)
-                                   and the body timeout (408), read here and replayed
-                                   ->  in-flight slot (429)
+         /tokenize, /detokenize    and the body timeout (408), read here and replayed
+                                   ->  in-flight slot (429; generation only)
 
 Every refusal is an OpenAI error body, logged; 429 and 503 carry ``Retry-After``. The slot is
 taken once the body is in: a client that sends its body slowly holds a connection (bounded by
 the server's connection cap and the body timeout), never a slot. A generation request holds its
 slot until its response (a whole stream) has been sent, so the in-flight count is what a
-graceful drain waits for. ``/health``, ``/metrics`` and ``/openapi.json`` stay open.
+graceful drain waits for. ``/health``, ``/metrics``, ``/version`` and ``/openapi.json`` stay
+open. (vLLM leaves ``/tokenize`` open too; here it costs tokenizer time, so it takes the key:
+``vllm bench serve`` then skips its prompt re-alignment, saying so.)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+TOKENIZE_PATHS = ("/tokenize", "/detokenize")  # bodies bounded like generation's, no slot
 
 
 class AdmissionState:
@@ -99,9 +102,10 @@ class Admission:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        error = self._gate(scope) if path == "/v1" or path.startswith("/v1/") else None
-        if error is None and path in GENERATE_PATHS:
-            await self._generate(scope, receive, send)
+        gated = path == "/v1" or path.startswith("/v1/") or path in TOKENIZE_PATHS
+        error = self._gate(scope) if gated else None
+        if error is None and (path in GENERATE_PATHS or path in TOKENIZE_PATHS):
+            await self._generate(scope, receive, send, slot=path in GENERATE_PATHS)
             return
         if error is not None:
             await self._reject(error, scope, receive, send)
@@ -116,7 +120,7 @@ class Admission:
                 return invalid_api_key(given=token is not None)
         return draining() if self.state.draining else None
 
-    async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, slot: bool) -> None:
         if scope["method"] != "POST":
             await self.app(scope, receive, send)  # the router answers 405
             return
@@ -132,10 +136,13 @@ class Admission:
             return  # the client left while sending its body: nobody to answer
         if error is None and self.state.draining:
             error = draining()
-        if error is None and self.state.in_flight >= self.config.max_pending_requests:
+        if slot and error is None and self.state.in_flight >= self.config.max_pending_requests:
             error = overloaded(self.config.max_pending_requests)
         if error is not None:
             await self._reject(error, scope, receive, send)
+            return
+        if not slot:
+            await self.app(scope, _replay(body or b"", receive), send)
             return
         self.state.in_flight += 1
         try:

@@ -1,12 +1,15 @@
-"""The HTTP layer: one handler per endpoint; the work is in ``jobs``, ``generation``, ``stream``.
+"""The HTTP layer: one handler per endpoint; the work is in ``jobs``, ``generation``, ``stream``,
+``api_extras``.
 
-POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
+POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
+POST /tokenize   POST /detokenize   GET /version   GET /health   GET /metrics
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -19,6 +22,17 @@ from starlette.background import BackgroundTask
 
 from engine.tokenizer import Tokenizer
 from gateway.admission import GENERATE_PATHS, Admission, AdmissionState
+from gateway.api_extras import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    model_list,
+    pdserve_version,
+    resolve_model,
+    retrieve_model,
+    system_fingerprint,
+    tokenize,
+)
 from gateway.backend import Backend, BackendError, ModelInfo
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -29,6 +43,7 @@ from gateway.errors import (
     model_not_found,
 )
 from gateway.generation import Generation
+from gateway.headers import add_header_middleware
 from gateway.jobs import Job, prepare_chat, prepare_completion
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
@@ -46,23 +61,6 @@ def request_outcome(error: OpenAIError) -> str:
     if error.code == "timeout":
         return "timeout"
     return "error" if error.status >= 500 else "invalid"
-
-
-def model_list(models: list[ModelInfo], served: Mapping[str, Tokenizer]) -> dict[str, Any]:
-    data = [
-        {
-            "id": m.id,
-            "object": "model",
-            "created": m.created,
-            "owned_by": "pdserve",
-            "root": m.root,
-            "parent": None,
-            "max_model_len": m.max_model_len,
-        }
-        for m in models
-        if m.id in served
-    ]
-    return {"object": "list", "data": data}
 
 
 def create_app(
@@ -90,18 +88,25 @@ def create_app(
 
     install_error_handlers(app, lambda request, error: count(request.url.path, error))
     app.add_middleware(Admission, config=config, state=admission, on_reject=count)
+    add_header_middleware(app, config)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
+    aliases = dict(config.model_aliases)
 
-    def lookup(model: str) -> tuple[Tokenizer, ModelInfo]:
+    def lookup(name: str | None) -> tuple[str, Tokenizer, ModelInfo]:
+        """The served model ``name`` stands for (an alias, or None for the only one)."""
+        model = resolve_model(name, aliases, tokenizers)
         tokenizer = tokenizers.get(model)
         if tokenizer is None:
             raise model_not_found(model)
         info = next((m for m in backend.models() if m.id == model), None)
         if info is None:
             raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
-        return tokenizer, info
+        return model, tokenizer, info
 
-    async def serve(job: Job, tokenizer: Tokenizer, request: Request) -> Response:
+    async def serve(job: Job, tokenizer: Tokenizer, info: ModelInfo, request: Request) -> Response:
+        job = dataclasses.replace(job, system_fingerprint=system_fingerprint(info))
+        if getattr(request.state, "request_id", None):
+            log.debug("request %s: X-Request-Id %s", job.response_id, request.state.request_id)
         gen = Generation(
             backend,
             tokenizer,
@@ -137,19 +142,40 @@ def create_app(
     # still does while the tokenizer holds the GIL).
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        tokenizer, info = lookup(body.model)
-        job = await asyncio.to_thread(prepare_chat, body, tokenizer, info)
-        return await serve(job, tokenizer, request)
+        model, tokenizer, info = lookup(body.model)
+        body = body.model_copy(update={"model": model})  # an alias: the served name from here
+        parser = config.tool_call_parser
+        job = await asyncio.to_thread(prepare_chat, body, tokenizer, info, parser)
+        return await serve(job, tokenizer, info, request)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        tokenizer, info = lookup(body.model)
+        model, tokenizer, info = lookup(body.model)
+        body = body.model_copy(update={"model": model})
         job = await asyncio.to_thread(prepare_completion, body, tokenizer, info)
-        return await serve(job, tokenizer, request)
+        return await serve(job, tokenizer, info, request)
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize_text(body: TokenizeRequest) -> dict[str, Any]:
+        _, tokenizer, info = lookup(body.model)
+        return await asyncio.to_thread(tokenize, body, tokenizer, info)
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, Any]:
+        _, tokenizer, info = lookup(body.model)
+        return await asyncio.to_thread(detokenize, body, tokenizer, info)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return model_list(backend.models(), tokenizers)
+        return model_list(backend.models(), tokenizers, aliases)
+
+    @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
+    async def retrieve(model: str) -> dict[str, Any]:
+        return retrieve_model(model, backend.models(), tokenizers, aliases)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pdserve_version()}
 
     @app.get("/health")
     async def health() -> Response:

@@ -16,6 +16,7 @@ from gateway.backend import BackendError, TokenEvent
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.logprobs import LogprobEntry, TokenTexts, resolve
 from gateway.stop import StopMatcher
+from gateway.tools.calls import ToolCallDelta
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ChoiceUpdate:
     first: bool = False  # carries the choice's first token
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # set by gateway.tools.output
 
 
 class ChoiceState:

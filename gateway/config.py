@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine import envs
+from gateway.chat_template import load_chat_template
+from gateway.tools.request import PARSER_CHOICES, add_tool_args
 
 API_KEY_ENV = envs.API_KEY  # one more accepted API key
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
@@ -38,6 +41,13 @@ class GatewayConfig:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a connection's request headers
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a generation request's whole body
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # beyond it, new requests get 503
+    model_aliases: tuple[tuple[str, str], ...] = ()  # (alias, served model name)
+    chat_template: str | None = None  # replaces every model's own template
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    tool_call_parser: str = "auto"  # --tool-call-parser (gateway.tools.request)
 
     def __post_init__(self) -> None:
         if not self.request_timeout_s >= 0:
@@ -64,6 +74,17 @@ class GatewayConfig:
         for key in self.api_keys:
             if not key or any(c.isspace() for c in key) or not key.isprintable():
                 raise ValueError("an API key must be non-empty printable text without spaces")
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(
+                f"tool call parser must be one of {', '.join(PARSER_CHOICES)}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        aliases = [alias for alias, _ in self.model_aliases]
+        for alias, target in self.model_aliases:
+            if not alias or not target or alias == target or aliases.count(alias) > 1:
+                raise ValueError(
+                    f"a model alias must name a different model once, got {alias!r} -> {target!r}"
+                )
 
     @property
     def timeout_s(self) -> float | None:
@@ -170,6 +191,52 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_CONNECTIONS,
         help="open HTTP connections; beyond it, requests get 503",
     )
+    add_api_args(parser)
+    add_tool_args(parser)
+
+
+def list_arg(value: str) -> list[str]:
+    """vLLM's JSON list (``'["https://a.example"]'``), or comma-separated values."""
+    if value.lstrip().startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value}")
+        return items
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _alias_arg(value: str) -> tuple[str, str]:
+    alias, sep, target = value.partition("=")
+    if not sep or not alias or not target:
+        raise argparse.ArgumentTypeError(f"expected ALIAS=MODEL, got {value!r}")
+    return alias, target
+
+
+def add_api_args(parser: argparse.ArgumentParser) -> None:
+    """Model names, chat template and CORS (vLLM's flags)."""
+    parser.add_argument(
+        "--model-alias",
+        type=_alias_arg,
+        action="append",
+        default=[],
+        metavar="ALIAS=MODEL",
+        help="one more name clients may use for a served model (repeatable); "
+        "responses report the model's own name",
+    )
+    parser.add_argument(
+        "--chat-template",
+        help="a Jinja chat template (a file, or the template itself) used instead of every "
+        "model's own",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=list_arg,
+        default=[],
+        help="CORS origins, a JSON list or comma-separated, e.g. '[\"*\"]' (default: no CORS)",
+    )
+    parser.add_argument("--allowed-methods", type=list_arg, default=["*"], help="CORS methods")
+    parser.add_argument("--allowed-headers", type=list_arg, default=["*"], help="CORS headers")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
 
 
 def config_from_args(
@@ -188,4 +255,13 @@ def config_from_args(
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
+        model_aliases=tuple(args.model_alias),
+        chat_template=None
+        if args.chat_template is None
+        else load_chat_template(args.chat_template),
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        tool_call_parser=args.tool_call_parser,
     )

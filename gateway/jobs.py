@@ -3,6 +3,7 @@ tokenization, context-length checks, sampling parameters."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,13 @@ from gateway.openai_models import (
     sampling_kwargs,
 )
 from gateway.prompt_guard import check_prompt_size
+from gateway.tools.request import (
+    ToolPlan,
+    check_messages,
+    template_tools,
+    tool_plan,
+    uses_special_tool_tokens,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -37,6 +45,9 @@ class Job:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far on every chunk (vLLM)
+    system_fingerprint: str | None = None
+    tools: ToolPlan | None = None  # how the output becomes tool calls (chat with tools)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -44,22 +55,34 @@ class Job:
         return len(self.requests) * self.n
 
 
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> Job:
+def prepare_chat(
+    req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo, tool_parser: str = "auto"
+) -> Job:
+    """``tool_parser``: ``--tool-call-parser`` (``gateway.tools.request``)."""
     check_supported(req)
     extra = dict(req.chat_template_kwargs or {})
+    messages, tools = req.template_messages(), template_tools(req)
     try:
+        template = tokenizer.template_for(tools)
+        plan = tool_plan(req, template, tool_parser)
+        check_messages(messages, template)
         text = tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt, **extra
+            messages, add_generation_prompt=req.add_generation_prompt, tools=tools, **extra
         )
     except (ValueError, TypeError) as e:
         raise invalid_request(str(e), "messages") from e
     _check_text(text, "messages")
     check_prompt_size(text, tokenizer, model.max_model_len, "messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = _max_tokens(len(ids), req.requested_max_tokens(), None, model, "messages")
     request = _request(response_id, req, tokenizer, ids, max_tokens)
-    return _job("chat", response_id, req, [request])
+    job = _job("chat", response_id, req, [request])
+    if plan is None:
+        return job
+    # vLLM's hermes parser likewise keeps special tokens when <tool_call> is one
+    skip = job.skip_special_tokens and not uses_special_tool_tokens(plan, tokenizer)
+    return dataclasses.replace(job, tools=plan, skip_special_tokens=skip)
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> Job:
@@ -93,6 +116,7 @@ def _job(
         logprobs=req.requested_logprobs() is not None,
         stream=req.stream,
         include_usage=req.include_usage,
+        continuous_usage=req.continuous_usage,
     )
 
 
@@ -126,7 +150,9 @@ def _prompt_ids(
         if isinstance(p, str):
             _check_text(p, "prompt")
             check_prompt_size(p, tokenizer, max_model_len, "prompt")
-        ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            ids = tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = list(p)
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")
         _check_ids(ids, tokenizer, "prompt")

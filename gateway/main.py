@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from engine import envs
 from engine.tokenizer import Tokenizer
 from gateway.app import create_app
+from gateway.chat_template import tokenizer_loader
 from gateway.config import GatewayConfig, add_config_args, config_from_args
 from gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
 from gateway.errors import OpenAIError
@@ -103,7 +104,8 @@ def gateway_app(backend: ZmqBackend, config: GatewayConfig | None = None) -> Fas
         finally:
             await backend.close()
 
-    tokenizers = LazyTokenizers(backend.model_roots)
+    template = config.chat_template if config is not None else None
+    tokenizers = LazyTokenizers(backend.model_roots, tokenizer_loader(template))
     return create_app(backend, tokenizers, lifespan=lifespan, config=config)
 
 

@@ -2,8 +2,8 @@
 and their conversion to ``SamplingParams`` keyword arguments.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Known fields that would
-change the output in a way this server cannot honour (tools, logit_bias, echo...) are refused
-with a 400 rather than silently ignored.
+change the output in a way this server cannot honour (logit_bias, echo...) are refused
+with a 400 rather than silently ignored; ``gateway.request_audit`` lists vLLM's.
 
 Limits: ``n`` <= 16; 256 prompts a request; ``logprobs`` / ``top_logprobs`` <= 20; 4 stop
 strings of at most 256 characters (the stop matcher's work per token grows with their length);
@@ -15,10 +15,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
 from gateway.errors import OpenAIError, invalid_request
+from gateway.request_audit import VllmChatFields, VllmFields, refuse_unhonoured
+from gateway.structured import structured_spec
+from gateway.structured_models import StructuredFields
+from gateway.tools.models import ToolCalls, ToolFields
+from gateway.tools.request import check_tools, template_tool_calls
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts of one /v1/completions request: each is a backend request
@@ -71,10 +77,11 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "user", "assistant", "tool", "developer"]  # developer: as system
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: ToolCalls | None = None  # an assistant's calls; content may then be null
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -84,6 +91,7 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far on every chunk too
 
 
 # Ranges as ``SamplingParams`` checks them, so the OpenAPI schema states them too.
@@ -91,7 +99,24 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Unsupported = {"maxItems": 0, "maxProperties": 0, "maxLength": 0}  # schema: only empty values
 
 
-class _SamplingFields(_Body):
+def _stop_limits(value: Any) -> Any:
+    """One clear message for every bad ``stop`` (pydantic's names a union branch)."""
+    stops = [value] if isinstance(value, str) else value
+    if value is None or (
+        isinstance(stops, list)
+        and all(isinstance(s, str) for s in stops)
+        and len(stops) <= MAX_STOP
+        and all(len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        return value
+    raise PydanticCustomError(
+        "stop_limit",
+        f"must be a string or a list of at most {MAX_STOP} strings, each at most "
+        f"{MAX_STOP_CHARS} characters long",
+    )
+
+
+class _SamplingFields(VllmFields, StructuredFields):
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0)] | None = None
@@ -113,6 +138,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
+    _check_stop = field_validator("stop", mode="before")(_stop_limits)
+
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
@@ -121,16 +148,21 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: usage on every chunk, only together with include_usage."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
-class ChatCompletionRequest(_SamplingFields):
+
+class ChatCompletionRequest(_SamplingFields, VllmChatFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM: the bos etc. on top of what the template writes
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=Unsupported)
-    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -144,12 +176,16 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role  # as OpenAI and vLLM do
+            message: dict[str, Any] = {"role": role, "content": m.text()}
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                where = f"messages[{i}].tool_calls"
+                message["tool_calls"] = template_tool_calls(m.tool_calls, where)
             out.append(message)
         return out
 
@@ -161,6 +197,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True
     suffix: str | None = Field(None, json_schema_extra=Unsupported)
 
     def requested_max_tokens(self) -> int | None:
@@ -175,6 +212,7 @@ AnyRequest = ChatCompletionRequest | CompletionRequest
 
 def check_supported(req: AnyRequest) -> None:
     """Refuse what parses but cannot be honoured; raises ``OpenAIError`` (400)."""
+    refuse_unhonoured(req, req.n)
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", "stream_options"
@@ -184,12 +222,7 @@ def check_supported(req: AnyRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if req.tools:
-            raise invalid_request("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise invalid_request(
-                "only response_format type 'text' is supported", "response_format"
-            )
+        check_tools(req)
     else:
         if req.echo:
             raise invalid_request("echo is not supported", "echo")
@@ -216,6 +249,9 @@ def sampling_kwargs(req: AnyRequest, max_tokens: int) -> dict[str, Any]:
         "logprobs": req.requested_logprobs(),
     }
     kwargs = {k: v for k, v in values.items() if v is not None}
+    structured = structured_spec(req)
+    if structured is not None:
+        kwargs["structured"] = structured
     if req.ignore_eos:
         kwargs["ignore_eos"] = True
     try:

@@ -5,7 +5,9 @@ A stream, as OpenAI sends it (every chunk has one id and ``created``):
 
     data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, ...}]}
     data: {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}
+          (with tools: "delta": {"tool_calls": [...]} too, parsed by ``gateway.tools.output``)
     data: {"choices": [], "usage": {...}}          only with stream_options.include_usage
+                                                   (continuous_usage_stats: on every chunk)
     data: [DONE]
 
 A failure after the first byte cannot change the status any more: it becomes
@@ -31,6 +33,8 @@ from gateway.errors import OpenAIError, from_backend, internal
 from gateway.generation import Generation, Usage
 from gateway.jobs import Job
 from gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
+from gateway.tools.calls import accumulate, delta_json
+from gateway.tools.output import ToolOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -42,6 +46,7 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 # Characters many line splitters (``str.splitlines``, httpx's ``aiter_lines``) break on, that
@@ -77,12 +82,14 @@ def response_body(job: Job, results: list[ChoiceResult], usage: Usage) -> dict[s
         choice: dict[str, Any] = {"index": index}
         if job.kind == "chat":
             choice["message"] = {"role": "assistant", "content": r.text}
+            if r.tool_calls:  # content null when there is none, as OpenAI sends it
+                choice["message"].update(content=r.text or None, tool_calls=r.tool_calls)
         else:
             choice["text"] = r.text
         choice["logprobs"] = _logprobs(job, r.logprobs)
         choice["finish_reason"] = r.finish_reason
         choices.append(choice)
-    return {
+    body: dict[str, Any] = {
         "id": job.response_id,
         "object": "chat.completion" if job.kind == "chat" else "text_completion",
         "created": job.created,
@@ -90,6 +97,9 @@ def response_body(job: Job, results: list[ChoiceResult], usage: Usage) -> dict[s
         "choices": choices,
         "usage": usage_body(usage),
     }
+    if job.system_fingerprint is not None:
+        body["system_fingerprint"] = job.system_fingerprint
+    return body
 
 
 def chunk_body(
@@ -102,6 +112,8 @@ def chunk_body(
         "model": job.model,
         "choices": choices,
     }
+    if job.system_fingerprint is not None:
+        body["system_fingerprint"] = job.system_fingerprint
     if job.include_usage:
         body["usage"] = None if usage is None else usage_body(usage)
     return body
@@ -116,6 +128,8 @@ def chunk_choice(
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if first or update.text:
             delta["content"] = update.text
+        if update.tool_calls:
+            delta["tool_calls"] = delta_json(update.tool_calls)
         choice["delta"] = delta
     else:
         choice["text"] = update.text
@@ -135,16 +149,20 @@ async def stream_events(gen: Generation) -> AsyncIterator[str]:
     job = gen.job
     started: set[int] = set()
     pending: dict[int, list[LogprobEntry]] = {i: [] for i in range(job.num_choices)}
+    tools = ToolOutput.of(job.tools, job.num_choices)
     try:
         async with aclosing(gen.updates()) as updates:
             async for update in updates:
+                if tools is not None:
+                    update = tools.apply(update)
                 pending[update.index] += update.logprobs
                 first = update.index not in started
-                if not (first or update.text or update.finish_reason):
+                if not (first or update.text or update.tool_calls or update.finish_reason):
                     continue  # text held back (partial character, possible stop string)
                 started.add(update.index)
                 logprobs, pending[update.index] = pending[update.index], []
-                yield sse(chunk_body(job, [chunk_choice(job, update, first, logprobs)]))
+                usage = gen.usage if job.continuous_usage else None  # so far, vLLM's way
+                yield sse(chunk_body(job, [chunk_choice(job, update, first, logprobs)], usage))
         if job.include_usage:
             yield sse(chunk_body(job, [], gen.usage))
     except Exception as e:
@@ -192,10 +210,14 @@ class BoundedStreamingResponse(StreamingResponse):
 async def collect(gen: Generation) -> dict[str, Any]:
     """The non-streaming response body of a started generation."""
     results = [ChoiceResult() for _ in range(gen.job.num_choices)]
+    tools = ToolOutput.of(gen.job.tools, gen.job.num_choices)
     async with aclosing(gen.updates()) as updates:
         async for update in updates:
+            if tools is not None:
+                update = tools.apply(update)
             result = results[update.index]
             result.text += update.text
+            accumulate(result.tool_calls, update.tool_calls)
             result.logprobs += update.logprobs
             result.finish_reason = update.finish_reason or result.finish_reason
     return response_body(gen.job, results, gen.usage)

@@ -2,7 +2,8 @@
 back from the workers::
 
     gateway PUSH ── Generate, Abort, GatewayHello (every hello_interval_s) ──▶ coordinator inbox
-    gateway PULL (stream_address) ◀── TokenChunk: prefill worker (index 0), decode worker (1..)
+    gateway PULL (stream_address) ◀── TokenBatch (a worker step's TokenChunks for this gateway):
+                                      prefill worker (index 0), decode worker (1..)
                                   ◀── Accepted, ClusterState (coordinator)
                                   ◀── RequestError (coordinator or a worker)
 
@@ -334,15 +335,21 @@ class ZmqBackend(Backend):
             self._state, self._state_at = msg, self._clock()
             if before and msg.coordinator_id != before:
                 self._fail_waiting_on_lost_coordinator()
-        elif isinstance(msg, (m.TokenChunk, m.RequestError, m.Accepted)):
-            pending = self._pending.get(msg.request_id)
-            if pending is None:  # over, aborted, or never ours
-                return
-            pending.answered = True
-            pending.last_at = self._clock()
-            pending.queue.put_nowait(msg)
+        elif isinstance(msg, m.TokenBatch):
+            for chunk in msg.chunks:
+                self._route(chunk)
+        elif isinstance(msg, (m.RequestError, m.Accepted)):
+            self._route(msg)
         else:
             log.warning("dropped an unexpected %s on the token stream", type(msg).__name__)
+
+    def _route(self, msg: m.TokenChunk | m.RequestError | m.Accepted) -> None:
+        pending = self._pending.get(msg.request_id)
+        if pending is None:  # over, aborted, or never ours
+            return
+        pending.answered = True
+        pending.last_at = self._clock()
+        pending.queue.put_nowait(msg)
 
     async def _hello_loop(self) -> None:
         hello = encode(m.GatewayHello(self.stream_address))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtransfer import backends as transfer_backends
+from launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
 
 FORWARDED_ENGINE_FLAGS = (
     "dtype",
@@ -61,7 +62,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--transfer-backend", default="zmq", choices=transfer_backends())
     g.add_argument("--pin", action="store_true", help="pin each worker to its own cores")
-    g.add_argument("--served-model-name", default=None)
+    add_serve_api_args(g)
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds")
     g.add_argument(
         "--drain-timeout",
@@ -119,8 +120,8 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
         f"--threads={threads}",
         f"--transfer-backend={args.transfer_backend}",
     ]
-    if args.served_model_name:
-        common.append(f"--served-model-name={args.served_model_name}")
+    if served_name(args):
+        common.append(f"--served-model-name={served_name(args)}")
     for flag in FORWARDED_ENGINE_FLAGS:
         value = getattr(args, flag)
         if value is not None:
@@ -190,6 +191,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))  # 0700
+    try:
+        api_flags = gateway_api_flags(args, run_dir)
+    except ValueError as e:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
     address_file = run_dir / "coordinator"
     pdserve = pdserve_command()
     roles = ["coordinator", "gateway", *(_worker_id(c) for c in worker_commands(args, "", ""))]
@@ -228,6 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"--port={args.port}",
                 f"--drain-timeout={args.drain_timeout}",
                 f"--max-migrations={args.max_migrations}",
+                *api_flags,
                 *keys("gateway"),
             ],
         )

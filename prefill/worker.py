@@ -25,7 +25,7 @@ import logging
 import threading
 
 from engine.engine import LLMEngine, RequestOutput
-from engine.wire import Outbox, engine_key, sampling_params, wire_logprobs
+from engine.wire import Outbox, TokenBatcher, engine_key, sampling_params, wire_logprobs
 from kvtransfer.base import KVPoll, KVSender, TransferSpec
 from protocol import messages as m
 
@@ -45,6 +45,7 @@ class PrefillWorker:
         self.sender = sender
         self.worker_id = worker_id
         self.outbox = outbox
+        self.tokens = TokenBatcher(outbox)  # this step's token 0s, one message per gateway
         self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
         self.computing: dict[str, m.PrefillJob] = {}
@@ -96,6 +97,7 @@ class PrefillWorker:
         if self.engine.has_unfinished():
             for out in self.engine.step():
                 self._on_output(out)
+            self.tokens.flush()
             busy = True
         self._poll_transfers()
         return busy
@@ -108,7 +110,7 @@ class PrefillWorker:
         token = out.new_token_ids[0]
         # the whole request ends at token 0 if it stopped, or if it only wanted one token
         ends = out.finish_reason == "stop" or job.sampling.max_tokens == 1
-        self.outbox.to_gateway(
+        self.tokens.add(
             job.stream_address,
             m.TokenChunk(
                 request_id=job.request_id,
@@ -180,6 +182,7 @@ class PrefillWorker:
     def _fail(self, job: m.PrefillJob, status: int, message: str) -> None:
         logger.warning("request %s#%d failed: %s", job.request_id, job.choice, message)
         error = m.RequestError(job.request_id, status, message)
+        self.tokens.flush()
         self.outbox.to_gateway(job.stream_address, error)
         self.outbox.to_coordinator(error)
 

@@ -8,7 +8,7 @@ Who sends what::
     coordinator ── PrefillJob ─▶ prefill ── TransferDone ─▶ coordinator ─▶ decode
     coordinator ── Accepted (a choice has its workers), RequestError ─▶ gateway
     coordinator ── Abort ────────────────────────────────────────▶ prefill, decode
-    prefill (token 0), decode (1..n) ── TokenChunk ──────────────▶ gateway
+    prefill (token 0), decode (1..n) ── TokenBatch (a step's chunks) ─▶ gateway
     prefill, decode ── Finished (one choice is over here) ───────▶ coordinator
     any         ── RequestError ─────────────────────────────────▶ coordinator / gateway
     kv sender   ── KVHeader + one raw frame per layer ───────────▶ kv receiver
@@ -45,8 +45,9 @@ __all__ = [
     "Reserve",
     "Reserved",
     "SamplingSpec",
-    "StructuredSpec",
     "ServedModel",
+    "StructuredSpec",
+    "TokenBatch",
     "TokenChunk",
     "TokenLogprob",
     "TransferDone",
@@ -266,9 +267,8 @@ class TransferDone(Message):
     error: str | None = None
 
 
-@message("token_chunk")
 @dataclass(frozen=True)
-class TokenChunk(Message):
+class TokenChunk:
     """New tokens of one choice; ``index`` is the position of ``token_ids[0]`` in the output."""
 
     request_id: str
@@ -280,6 +280,15 @@ class TokenChunk(Message):
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
     num_prompt_tokens: int
     num_cached_tokens: int
+
+
+@message("token_batch")
+@dataclass(frozen=True)
+class TokenBatch(Message):
+    """One worker step's new tokens for one gateway: a chunk per choice it advanced (one
+    message a step, however many streams)."""
+
+    chunks: list[TokenChunk]
 
 
 @message("accepted")

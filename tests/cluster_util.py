@@ -144,11 +144,20 @@ class Cluster:
                 heartbeat(w.engine, wid, w.queued_prompt_tokens), time.monotonic()
             )
 
+    def chunks(self, gateway: str = "gw") -> list[m.TokenChunk]:
+        """Every token chunk the gateway received, in arrival order (out of their batches)."""
+        return [
+            chunk
+            for msg in self.bus.gateway.get(gateway, [])
+            if isinstance(msg, m.TokenBatch)
+            for chunk in msg.chunks
+        ]
+
     def tokens(self, request_id: str, gateway: str = "gw", start: int = 0) -> dict[int, list[int]]:
         """choice -> token ids in index order, checking indices run on from ``start``."""
         chunks: dict[int, list[m.TokenChunk]] = {}
-        for msg in self.bus.gateway.get(gateway, []):
-            if isinstance(msg, m.TokenChunk) and msg.request_id == request_id:
+        for msg in self.chunks(gateway):
+            if msg.request_id == request_id:
                 chunks.setdefault(msg.choice, []).append(msg)
         out = {}
         for choice, cs in chunks.items():
@@ -163,11 +172,7 @@ class Cluster:
 
     def tokens_sent(self, request_id: str, gateway: str = "gw") -> int:
         """How many tokens of ``request_id`` reached the gateway so far (any order)."""
-        return sum(
-            len(x.token_ids)
-            for x in self.bus.gateway.get(gateway, [])
-            if isinstance(x, m.TokenChunk) and x.request_id == request_id
-        )
+        return sum(len(x.token_ids) for x in self.chunks(gateway) if x.request_id == request_id)
 
     def errors(self, gateway: str = "gw") -> list[m.RequestError]:
         return [x for x in self.bus.gateway.get(gateway, []) if isinstance(x, m.RequestError)]

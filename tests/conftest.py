@@ -76,6 +76,14 @@ def tiny_dir(model_dirs: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small preset: slow enough on CPU that a long stream is still going when killed."""
+    from engine.make_model import make_model
+
+    return Path(make_model(tmp_path_factory.mktemp("small") / "small", preset="small"))
+
+
+@pytest.fixture(scope="session")
 def tok(tiny_dir: Path):
     """The tiny model's tokenizer (torch-free)."""
     from engine.tokenizer import Tokenizer

@@ -213,7 +213,9 @@ class FakeCluster:
             elif isinstance(msg, m.Abort):
                 self.aborts.append(msg)
 
-    def _send(self, role: str, address: str, msg: m.Message) -> None:
+    def _send(self, role: str, address: str, msg: m.Message | m.TokenChunk) -> None:
+        if isinstance(msg, m.TokenChunk):  # workers send a step's chunks as one batch
+            msg = m.TokenBatch([msg])
         sock = self._senders.get((role, address))
         if sock is None:
             sock = make_socket(self._ctx, zmq.PUSH, address, bind=False)

@@ -34,14 +34,6 @@ def stream_events(url: str, body: dict, events: list, started: threading.Event) 
                 started.set()
 
 
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory: pytest.TempPathFactory):
-    """The small preset: slow enough on CPU that a long stream is still going when killed."""
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("small") / "small", preset="small")
-
-
 @pytest.mark.parametrize("migrations", [0, 3], ids=["no-migration", "migration"])
 def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
     c = ServedCluster(

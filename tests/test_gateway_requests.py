@@ -131,9 +131,8 @@ def test_sampling_errors_name_the_field(fields: dict, param: str, message: str) 
     [
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_unsupported_fields_are_refused(fields: dict, param: str) -> None:
@@ -156,7 +155,7 @@ def test_error_param_paths() -> None:
          "messages: List should have at least 1 item after validation, not 0"),
         (ChatCompletionRequest, {"model": "m", "messages": [{"role": "robot", "content": "x"}]},
          "messages[0].role",
-         "messages[0].role: Input should be 'system', 'user', 'assistant' or 'tool'"),
+         "messages[0].role: Input should be 'system', 'user', 'assistant', 'tool' or 'developer'"),
         (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user"}], "n": 17}, "n",
          "n: Input should be less than or equal to 16"),
         (CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs",

@@ -310,7 +310,7 @@ def test_bad_messages_on_the_stream_are_dropped(
     ctx = zmq.Context()
     rogue = make_socket(ctx, zmq.PUSH, gateway[1].stream_address, bind=False)
     try:
-        for frames in [*bad, encode(m.Abort("x", "y")), encode(unknown)]:
+        for frames in [*bad, encode(m.Abort("x", "y")), encode(m.TokenBatch([unknown]))]:
             rogue.send_multipart(frames)
         assert wait_for(lambda: len(caplog.records) >= len(expected))
     finally:
@@ -389,7 +389,9 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
         "max_pending_requests": 1024, "max_body_bytes": 8 * 1024 * 1024, "drain_timeout": 30.0,
         "api_key": [], "api_key_file": None, "stream_idle_timeout": 180.0,
         "stream_send_timeout": 30.0, "max_stream_backlog": 4096, "header_timeout": 10.0,
-        "body_timeout": 30.0, "max_connections": 2048,
+        "body_timeout": 30.0, "max_connections": 2048, "model_alias": [], "chat_template": None,
+        "allowed_origins": [], "allowed_methods": ["*"], "allowed_headers": ["*"],
+        "allow_credentials": False, "tool_call_parser": "auto", "enable_auto_tool_choice": False,
     }  # fmt: skip
     monkeypatch.delenv(COORDINATOR_ENV)
     parser = argparse.ArgumentParser()

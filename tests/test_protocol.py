@@ -35,6 +35,7 @@ from protocol.messages import (
     Reserved,
     SamplingSpec,
     ServedModel,
+    TokenBatch,
     TokenChunk,
     TokenLogprob,
     TransferDone,
@@ -63,8 +64,13 @@ SAMPLES = [
     Reserved("r2", "d0", [], "tcp://127.0.0.1:6", error="no free blocks"),
     PrefillJob("r1", [1, 2, 3], SPEC, 1, "d0", [4, 9], "tcp://127.0.0.1:6", "ipc://gw"),
     TransferDone("r1", [42, 43], [LOGPROB, LOGPROB], num_cached_tokens=16),
-    TokenChunk("r1", 0, 1, [7, 8], None, False, None, 3, 0),
-    TokenChunk("r1", 1, 3, [2], [LOGPROB], True, "stop", 3, 16),
+    TokenBatch([TokenChunk("r1", 0, 1, [7, 8], None, False, None, 3, 0)]),
+    TokenBatch(
+        [
+            TokenChunk("r1", 1, 3, [2], [LOGPROB], True, "stop", 3, 16),
+            TokenChunk("r2", 0, 5, [4, 5], None, False, None, 9, 0),
+        ]
+    ),
     Abort("r1", "client disconnected"),
     RequestError("r1", 503, "no decode worker"),
     Finished("r1", 1, "d0"),
@@ -256,9 +262,12 @@ def test_bad_frame_references_and_extensions() -> None:
     )
 
 
-def test_encode_validates_before_sending() -> None:
+def test_a_mistyped_message_is_refused_by_its_receiver() -> None:
+    """encode trusts the sender's types (raw msgpack speed); decode checks them."""
     with pytest.raises(ProtocolError, match=r"^Abort.reason: expected str, got int$"):
-        encode(Abort("r1", 3))  # type: ignore[arg-type]
+        decode(encode(Abort("r1", 3)))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match=r"cannot encode"):
+        encode(Abort("r1", object()))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match=r"^SamplingSpec is not a registered message$"):
         encode(SPEC)  # type: ignore[arg-type]
 
@@ -375,12 +384,13 @@ def test_push_outbox_loses_nothing_to_a_receiver_that_falls_behind(zctx, caplog)
     count, ids = 3000, [100_000] * 1000
     with caplog.at_level(logging.WARNING):
         for i in range(count):
-            outbox.to_gateway(address, TokenChunk("r", 0, i, ids, None, False, None, 3, 0))
+            chunk = TokenChunk("r", 0, i, ids, None, False, None, 3, 0)
+            outbox.to_gateway(address, TokenBatch([chunk]))
     indices = []
     while len(indices) < count:
         msg = sockets.recv_msg(pull, timeout_ms=5000)
         assert msg is not None, f"only {len(indices)} of {count} arrived"
-        indices.append(msg.index)
+        indices.append(msg.chunks[0].index)
     assert indices == list(range(count))
     assert "dropped" not in caplog.text
     outbox.close()

@@ -128,3 +128,36 @@ def test_32_concurrent_requests_on_the_real_model_all_complete(real_dir, mode) -
     finally:
         log = c.stop()
     print(log[-2000:], file=sys.stderr)
+
+
+def test_json_schema_on_the_real_model_finishes_and_validates(disagg) -> None:
+    import jsonschema_rs
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 1000},
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": False,
+    }
+    api = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    out = api.chat.completions.create(
+        model=disagg.model_name,
+        messages=[{"role": "user", "content": "Describe the capital of France as JSON."}],
+        max_tokens=120,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": schema, "strict": True},
+        },
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    value = json.loads(choice.message.content)
+    jsonschema_rs.validate(schema, value)
+    assert value["city"] == "Paris"
+    assert out.usage.completion_tokens < 60, choice.message.content
+    assert set(disagg.wait_blocks_free().values()) == {0.0}

@@ -236,7 +236,9 @@ def test_a_process_without_keys_cannot_register_or_inject(tiny_dir: Path) -> Non
                     for i in range(1, 30):  # what a forger would write into the stream
                         attempt(
                             to_gateway,
-                            m.TokenChunk(request_id, 0, i, [7], None, i == 29, "stop", 4, 0),
+                            m.TokenBatch(
+                                [m.TokenChunk(request_id, 0, i, [7], None, i == 29, "stop", 4, 0)]
+                            ),
                         )
                 texts.append(chunk["choices"][0]["text"])
         assert "".join(texts) == Tokenizer.from_dir(tiny_dir).decode(expected)

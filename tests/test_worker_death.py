@@ -111,7 +111,7 @@ def test_resume_on_another_decode_worker_continues_exactly(tiny_dir) -> None:
         assert (error.choice, error.retryable) == (0, True)
         # what the gateway does: resume the choice after the tokens it has
         chunks = sorted(
-            (c for c in cluster.bus.gateway["gw"] if isinstance(c, m.TokenChunk)),
+            cluster.chunks(),
             key=lambda c: c.index,
         )
         so_far = [t for c in chunks for t in c.token_ids]

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.cluster import ServeProcess  # noqa: E402
+from bench.peers.mbu import mbu, read_bandwidth, weight_bytes  # noqa: E402
 from launch.serve import pdserve_command  # noqa: E402
 from protocol.sockets import free_port  # noqa: E402
 
@@ -132,9 +133,11 @@ def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
                     )
             finally:
                 proc.stop()
-    return {
+    out: dict = {
         s: {str(c): _median(rows) for c, rows in by_c.items() if rows} for s, by_c in runs.items()
     }
+    out["weight_bytes"] = weight_bytes(model)
+    return out
 
 
 def _median(rows: list[dict]) -> dict:
@@ -167,6 +170,25 @@ def table(report: dict) -> str:
             )
             vv = f"{v['output_throughput']:.1f}" if v else "-"
             lines.append(f"| {model} | {c} | {vv} | {cells[0]} | {cells[1]} | {tpot} |")
+    return "\n".join(lines) + "\n\n" + mbu_lines(report)
+
+
+def mbu_lines(report: dict) -> str:
+    """Batch-1 MBU of each server, against the best read bandwidth measured (1 or 2 threads)."""
+    bandwidth = max(report["machine"]["read_bandwidth_gbs"].values()) * 1e9
+    lines = []
+    for model, res in report["models"].items():
+        cells = [
+            f"{s} {mbu(res['weight_bytes'], res[s]['1']['median_tpot_ms'], bandwidth):.0%}"
+            for s in SERVERS
+            if "1" in res.get(s, {})
+        ]
+        if cells:
+            lines.append(
+                f"- {model}: batch-1 decode MBU {', '.join(cells)} "
+                f"({res['weight_bytes'] / 1e6:.0f} MB of weights a step, read bandwidth "
+                f"{bandwidth / 1e9:.1f} GB/s)"
+            )
     return "\n".join(lines)
 
 
@@ -203,7 +225,13 @@ def main() -> int:
         "workload": f"random {args.input_len} -> {args.output_len} tokens, ignore_eos, greedy, "
         f"{args.prompts_per_client} x C requests at concurrency C, medians of {args.rounds}",
         "concurrency": args.concurrency,
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": os.getloadavg(),
+            "read_bandwidth_gbs": {
+                f"{t} thread(s)": read_bandwidth(t) / 1e9 for t in (1, os.cpu_count() or 1)
+            },
+        },
         "models": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
