@@ -75,7 +75,8 @@ class Timed:
 
 
 def decode_steps(engine: LLMEngine, params: list[SamplingParams], prompts, tag: str):
-    """Prefill every prompt, then time each decode step until all finish."""
+    """Prefill every prompt, then time each decode step that advances every stream (the
+    tail, where streams have finished, is left out so both sides compare full batches)."""
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"{tag}-{i}", prompt, p)
     steps, tokens = [], 0
@@ -83,10 +84,10 @@ def decode_steps(engine: LLMEngine, params: list[SamplingParams], prompts, tag: 
         start = time.perf_counter()
         outs = engine.step()
         elapsed = time.perf_counter() - start
-        new = sum(len(o.new_token_ids) for o in outs)
-        if all(o.num_output_tokens > 1 for o in outs if o.new_token_ids) and new:
-            steps.append(elapsed)  # decode-only steps
-            tokens += new
+        decoding = [o for o in outs if o.new_token_ids and o.num_output_tokens > 1]
+        if len(decoding) == len(prompts):
+            steps.append(elapsed)
+            tokens += len(decoding)
     return steps, tokens
 
 

@@ -121,6 +121,18 @@ def test_required_calls_validate_and_stream_the_same(cluster, parallel: bool) ->
     assert len({call_id for call_id, _, _ in full["calls"]}) == len(full["calls"])
 
 
+def test_colocated_gives_the_same_calls(cluster, tiny_dir) -> None:
+    """Greedy constrained calls are the same whether prefill and decode run apart or not."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    coloc = ServedCluster(tiny_dir, "--num-kv-blocks=512", "--mode=colocated")
+    try:
+        for kw in ({"tool_choice": named}, {"tool_choice": "required", "max_tokens": 300}):
+            assert same_message(chat(coloc, **kw), chat(cluster, **kw)), kw
+            assert same_message(chat(coloc, stream=True, **kw), chat(cluster, **kw)), kw
+    finally:
+        coloc.stop()
+
+
 def test_auto_streamed_equals_non_streamed(cluster) -> None:
     for seed in (1, 2, 3):
         kw = {"temperature": 1.0, "seed": seed, "max_tokens": 40}
