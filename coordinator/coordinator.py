@@ -9,6 +9,11 @@ Route of one choice (``(request_id, choice)``)::
     route touches gets an Abort, and the request's gateway a RequestError (it drops the ones
     for requests it ended itself), so no Abort, genuine or forged, leaves a stream silent.
 
+Conditional disaggregation: a prompt of at most ``max_local_prefill_tokens`` tokens, or any
+prompt while every prefill worker has more than ``max_prefill_queue_tokens`` queued, is
+prefilled by its decode worker itself (a ``PrefillJob`` with no destination: no transfer);
+0 turns either rule off. ``decisions`` counts each choice's route by reason.
+
 Every wait has a bound: a decode worker that does not answer ``Reserve`` within
 ``reserve_timeout_s`` (or refuses it) is passed over for another one; a prefill job with no
 ``TransferDone`` within ``prefill_timeout_s`` moves to another prefill worker. With no other
@@ -21,7 +26,9 @@ and everything it says goes through a ``CoordinatorOutbox``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import Counter
 from typing import Protocol
 
 from coordinator.capacity import too_big
@@ -52,6 +59,8 @@ class Coordinator(Recovery):
         prefill_timeout_s: float = 120.0,
         queue_timeout_s: float = 60.0,
         max_queued: int = 4096,
+        max_local_prefill_tokens: int = 0,
+        max_prefill_queue_tokens: int = 0,
     ) -> None:
         timeouts = (
             ("reserve", reserve_timeout_s),
@@ -68,6 +77,11 @@ class Coordinator(Recovery):
         self.prefill_timeout_s = prefill_timeout_s
         self.queue_timeout_s = queue_timeout_s
         self.max_queued = max_queued
+        if max_local_prefill_tokens < 0 or max_prefill_queue_tokens < 0:
+            raise ValueError("the local-prefill thresholds must be >= 0 (0: off)")
+        self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
+        self.decisions: Counter[str] = Counter()  # routing decisions by reason
         # workers that let a reservation or a prefill job time out -> when; passed over for
         # new work until they answer again or ``SILENT_HOLD_S`` has passed
         self.silent: dict[str, float] = {}
@@ -82,7 +96,8 @@ class Coordinator(Recovery):
             m.Register: self._register,
             m.Heartbeat: self._heartbeat,
             m.GatewayHello: lambda h, _t: self.outbox.to_gateway(
-                h.stream_address, self.registry.cluster_state()
+                h.stream_address,
+                dataclasses.replace(self.registry.cluster_state(), routing=dict(self.decisions)),
             ),
             m.Generate: self._generate,
             m.Reserved: self._reserved,
@@ -137,9 +152,36 @@ class Coordinator(Recovery):
             return
         for choice in range(req.n):
             if not reg.disaggregated(req.model):
+                self.decisions["colocated"] += 1
                 self._run_colocated(req, choice)
-            elif not self._reserve(req, choice):
+            elif not self._prefill_on_decode(req, choice) and not self._reserve(req, choice):
                 return
+
+    def _prefill_on_decode(self, req: m.Generate, choice: int) -> bool:
+        """Conditional disaggregation: whether this choice went to a decode worker to prefill
+        itself (short prompt, or a busy prefill pool) rather than through a transfer."""
+        reason = self._local_reason(req)
+        if reason is None:
+            self.decisions["disaggregated"] += 1
+            return False
+        need = -(-(len(req.prompt_token_ids) + 1) // self._block_size(req.model))
+        worker = self.registry.pick_decode_avoiding(req.model, need, self._silent())
+        if worker is None:  # no room anywhere now: the usual path queues it
+            self.decisions["disaggregated"] += 1
+            return False
+        self.decisions[reason] += 1
+        self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, choice))
+        self._run_local(req, choice, worker.worker_id)
+        return True
+
+    def _local_reason(self, req: m.Generate) -> str | None:
+        if 0 < len(req.prompt_token_ids) <= self.max_local_prefill_tokens:
+            return "local_short_prompt"
+        if self.max_prefill_queue_tokens > 0:
+            queued = self.registry.prefill_queue_tokens(req.model, self._silent())
+            if queued is not None and queued > self.max_prefill_queue_tokens:
+                return "local_prefill_busy"
+        return None
 
     def _reserve(
         self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""

@@ -91,9 +91,35 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-gateways", type=int, default=64, help="gateways served at once (the rest wait)"
     )
+    add_routing_args(parser)
     parser.add_argument(
         "--address-file", default=None, help="write the bound inbox address here once listening"
     )
+
+
+def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Conditional disaggregation (the coordinator's; ``pdserve serve`` passes them on)."""
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=0,
+        help="prompts of at most this many tokens are prefilled by their decode worker, with "
+        "no KV transfer (0: off)",
+    )
+    parser.add_argument(
+        "--max-prefill-queue-tokens",
+        type=int,
+        default=0,
+        help="while every prefill worker has more prompt tokens than this queued, decode "
+        "workers prefill new requests themselves (0: off)",
+    )
+
+
+def routing_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        f"--max-local-prefill-tokens={args.max_local_prefill_tokens}",
+        f"--max-prefill-queue-tokens={args.max_prefill_queue_tokens}",
+    ]
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
@@ -109,6 +135,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         reserve_timeout_s=args.reserve_timeout,
         prefill_timeout_s=args.prefill_timeout,
         queue_timeout_s=args.queue_timeout,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
     )
     if args.address_file:
         tmp = f"{args.address_file}.tmp"

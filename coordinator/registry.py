@@ -230,6 +230,16 @@ class WorkerRegistry:
         best.free_blocks -= need_blocks
         return best
 
+    def prefill_queue_tokens(self, model: str, avoid: Collection[str]) -> int | None:
+        """The shortest prefill queue (prompt tokens) of the model's answering prefill workers;
+        None when it has none."""
+        queues = [
+            w.queued_prompt_tokens
+            for w in self._serving(model)
+            if w.info.role == "prefill" and w.worker_id not in avoid
+        ]
+        return min(queues) if queues else None
+
     def pick_prefill_avoiding(
         self, model: str, prompt_tokens: int, avoid: Collection[str]
     ) -> Worker | None:

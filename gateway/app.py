@@ -188,7 +188,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics_text() -> Response:
         metrics.in_flight.set(admission.in_flight)
-        return Response(metrics.render(backend.worker_stats()), media_type=CONTENT_TYPE)
+        text = metrics.render(backend.worker_stats(), backend.routing_decisions())
+        return Response(text, media_type=CONTENT_TYPE)
 
     return app
 

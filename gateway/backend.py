@@ -96,3 +96,7 @@ class Backend(abc.ABC):
     def worker_stats(self) -> list[WorkerStats]:
         """Load of every worker, for ``/metrics``."""
         return []
+
+    def routing_decisions(self) -> dict[str, int]:
+        """The coordinator's routing decisions so far by reason, for ``/metrics``."""
+        return {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from gateway.backend import WorkerStats
@@ -194,6 +194,14 @@ class GatewayMetrics:
         self.kv_total = r.add(Gauge("pdserve_kv_blocks_total", "KV blocks in all.", worker))
         self.running = r.add(Gauge("pdserve_requests_running", "Requests running.", worker))
         self.waiting = r.add(Gauge("pdserve_requests_waiting", "Requests queued.", worker))
+        self.routing = r.add(
+            Counter(
+                "pdserve_routing_decisions_total",
+                "The coordinator's route for each choice: disaggregated, local_short_prompt and "
+                "local_prefill_busy (prefilled on its decode worker), colocated.",
+                ["reason"],
+            )
+        )
 
     def set_workers(self, stats: Iterable[WorkerStats]) -> None:
         """Replace the per-worker gauges, so a worker that left disappears."""
@@ -205,6 +213,11 @@ class GatewayMetrics:
             for gauge, value in zip(gauges, values, strict=True):
                 gauge.set(value, role=s.role, worker=s.worker)
 
-    def render(self, stats: Iterable[WorkerStats] = ()) -> str:
+    def render(
+        self, stats: Iterable[WorkerStats] = (), routing: Mapping[str, int] | None = None
+    ) -> str:
         self.set_workers(stats)
+        self.routing.clear()  # the coordinator's own totals, as it last reported them
+        for reason, count in (routing or {}).items():
+            self.routing.inc(count, reason=reason)
         return self.registry.render()

@@ -257,6 +257,9 @@ class ZmqBackend(Backend):
             for w in self._state.workers
         ]
 
+    def routing_decisions(self) -> dict[str, int]:
+        return {} if self._state is None else dict(self._state.routing)
+
     # ---- internals ---------------------------------------------------------------------------
 
     async def _events(self, request: m.Generate, pending: _Pending) -> AsyncIterator[TokenEvent]:

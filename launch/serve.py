@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.main import add_routing_args, routing_flags
 from kvtransfer import backends as transfer_backends
 from launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
 
@@ -83,6 +84,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="inject KV transfer faults on prefill workers (testing): drop, delay, truncate, "
         "corrupt",
     )
+    add_routing_args(g)
     g.add_argument(
         "--max-migrations",
         type=int,
@@ -211,6 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "coordinator",
             "--bind=tcp://127.0.0.1:0",
             f"--address-file={address_file}",
+            *routing_flags(args),
             *keys("coordinator"),
         ],
     )
@@ -220,7 +223,13 @@ def run_serve(args: argparse.Namespace) -> int:
         coordinator.start()
         address = _wait_for_file(address_file, coordinator, 30.0)
         # a restart rebinds the same address
-        coordinator.cmd = [*pdserve, "coordinator", f"--bind={address}", *keys("coordinator")]
+        coordinator.cmd = [
+            *pdserve,
+            "coordinator",
+            f"--bind={address}",
+            *routing_flags(args),
+            *keys("coordinator"),
+        ]
         workers = [
             Child(_role(cmd), [*cmd, *keys(_worker_id(cmd))])
             for cmd in worker_commands(args, address, model)

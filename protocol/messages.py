@@ -188,6 +188,7 @@ class ClusterState(Message):
     models: list[ServedModel]
     workers: list[WorkerStatus]
     coordinator_id: str = ""  # new at each coordinator start: a gateway sees a restart
+    routing: dict[str, int] = field(default_factory=dict)  # decisions so far, by reason
 
 
 # ---- request lifecycle -----------------------------------------------------------------------

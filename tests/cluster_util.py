@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.coordinator import Coordinator
 from decode.worker import DecodeWorker
@@ -58,10 +59,11 @@ class Cluster:
         fault: FaultPlan | None = None,
         policy: str = "recompute",
         transfer_timeout_s: float = 30.0,
+        **coordinator_options: Any,
     ) -> None:
         self.bus = Bus()
         self.backend = backend
-        self.coordinator = Coordinator(self.bus.outbox())
+        self.coordinator = Coordinator(self.bus.outbox(), **coordinator_options)
         self.workers: dict[str, PrefillWorker | DecodeWorker] = {}
         for i, engine in enumerate(engines_p):
             wid = f"p{i}"

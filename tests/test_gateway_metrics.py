@@ -65,7 +65,7 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         WorkerStats("prefill", "p0", 10, 100, 1, 2),
         WorkerStats("decode", "d0", 50, 200, 7, 0),
     ]
-    families = parse_prometheus(m.render(workers))
+    families = parse_prometheus(m.render(workers, {"disaggregated": 3, "local_short_prompt": 2}))
     assert {n: k for n, (k, _) in families.items()} == {
         "pdserve_time_to_first_token_seconds": "histogram",
         "pdserve_inter_token_latency_seconds": "histogram",
@@ -78,6 +78,11 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_kv_blocks_total": "gauge",
         "pdserve_requests_running": "gauge",
         "pdserve_requests_waiting": "gauge",
+        "pdserve_routing_decisions_total": "counter",
+    }
+    assert families["pdserve_routing_decisions_total"][1] == {
+        ("pdserve_routing_decisions_total", (("reason", "disaggregated"),)): 3,
+        ("pdserve_routing_decisions_total", (("reason", "local_short_prompt"),)): 2,
     }
     used = families["pdserve_kv_blocks_used"][1]
     assert used == {

@@ -301,7 +301,7 @@ def test_fuzz_values_only_protocol_errors() -> None:
         fields = msgpack.unpackb(encode(rng.choice(SAMPLES))[0])
         target = fields
         while True:  # walk down to a random leaf and replace it
-            key = rng.choice(list(target)) if isinstance(target, dict) else None
+            key = rng.choice(list(target)) if isinstance(target, dict) and target else None
             if key is None or not isinstance(target[key], dict) or rng.random() < 0.3:
                 break
             target = target[key]
