@@ -4,6 +4,8 @@
         --random-output-len 64 --num-prompts 50 --request-rate 4 --slo tpot:50
     pdserve bench --dataset mixed --request-rate 1,2,4 --slo tpot:80 --plot out/ \\
         --save-result out/sweep.json
+    pdserve bench --dataset multi-turn --multi-turn-conversations 64 --multi-turn-turns 5 \\
+        --max-concurrency 16 --tokenizer MODEL_DIR --ignore-eos
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from bench.client import ENDPOINTS
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("target (any OpenAI-compatible server)")
     t.add_argument("--base-url", default="http://127.0.0.1:8000")
-    t.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    t.add_argument(
+        "--endpoint",
+        default=None,
+        choices=ENDPOINTS,
+        help="default /v1/completions (multi-turn: /v1/chat/completions)",
+    )
     t.add_argument("--model", default=None, help="default: the first id of /v1/models")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     t.add_argument("--extra-body", type=_json_object, default={}, help="JSON merged into bodies")
@@ -32,7 +39,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     w = parser.add_argument_group("workload")
     w.add_argument(
-        "--dataset", default="random", choices=["random", "shared-prefix", "mixed", "jsonl"]
+        "--dataset",
+        default="random",
+        choices=["random", "shared-prefix", "mixed", "jsonl", "multi-turn"],
     )
     w.add_argument("--dataset-path", default=None, help="the jsonl file")
     w.add_argument(
@@ -52,6 +61,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--mixed-burst-output-len", type=int, default=16)
     w.add_argument("--mixed-burst-size", type=int, default=4)
     w.add_argument("--mixed-burst-interval", type=float, default=5.0, help="seconds")
+    w.add_argument("--multi-turn-conversations", type=int, default=32)
+    w.add_argument("--multi-turn-turns", type=int, default=4, help="turns per conversation")
+    w.add_argument(
+        "--multi-turn-system-len", type=int, default=512, help="shared system prompt, tokens"
+    )
+    w.add_argument("--multi-turn-user-len", type=int, default=64, help="each user message")
+    w.add_argument("--multi-turn-output-len", type=int, default=64, help="each answer")
+    w.add_argument(
+        "--multi-turn-think-time", type=float, default=0.0, help="s between answer and next turn"
+    )
     w.add_argument("--ignore-eos", action="store_true")
     w.add_argument("--seed", type=int, default=0)
 
@@ -64,7 +83,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     a.add_argument("--sweep-points", type=int, default=4)
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    a.add_argument("--max-concurrency", type=int, default=None)
+    a.add_argument(
+        "--max-concurrency", type=int, default=None, help="multi-turn: conversations in flight"
+    )
     a.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
     a.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
 

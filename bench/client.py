@@ -128,6 +128,8 @@ class StreamParser:
         # without usage, one content chunk per token is the best a client can say
         out.output_tokens = usage.get("completion_tokens", self.content_chunks)
         out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        out.cached_tokens = cached if isinstance(cached, int) else None
         return out
 
 
@@ -135,7 +137,7 @@ async def send(
     client: httpx.AsyncClient, target: Target, req: BenchRequest, t0: float
 ) -> RequestOutput:
     """Streams one request; never raises for the server's or the network's failures."""
-    out = RequestOutput(kind=req.kind, prompt_tokens=req.prompt_len)
+    out = RequestOutput(kind=req.kind, prompt_tokens=req.prompt_len, turn=req.turn)
     body = request_body(target, req)
     start = time.perf_counter()
     out.start_time = start - t0

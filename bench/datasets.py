@@ -12,6 +12,7 @@
       bursts   ────────BBBB────────BBBB─────   (every --mixed-burst-interval s)
 
 - ``jsonl``: one ``{"prompt": str | "messages": [...], "max_tokens": int}`` object per line.
+- ``multi-turn``: chat conversations re-sending their history (``bench/multi_turn.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class BenchRequest:
     messages: tuple[dict[str, Any], ...] | None = None  # a jsonl conversation, sent as is
     kind: str = ""
     at: float | None = None  # a fixed send time, s from the start; None: the arrival process
+    turn: int = 0  # a multi-turn conversation's turn, from 1; 0: not one
 
 
 @dataclass(frozen=True)

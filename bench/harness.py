@@ -8,7 +8,7 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,8 @@ import numpy as np
 
 from bench import datasets as ds
 from bench.client import Target, first_model, prompt_tokens
-from bench.metrics import RequestOutput, Slo, detail, parse_slo, summarize
+from bench.metrics import RequestOutput, Slo, detail, parse_slo, per_turn, summarize
+from bench.multi_turn import MultiTurnSpec, build_conversations, run_conversations
 from bench.prompts import PromptMaker, TokenPrompts, WordPrompts, calibrate, load_tokenizer
 from bench.report import Progress, result_table, save_json, sweep_header, sweep_row
 from bench.runner import RunSpec, make_client, run_requests
@@ -81,6 +82,51 @@ def build_requests(
     return ds.mixed_requests(maker, n, spec, horizon, rng)
 
 
+def multi_turn_spec(args: argparse.Namespace) -> MultiTurnSpec:
+    return MultiTurnSpec(
+        args.multi_turn_conversations,
+        args.multi_turn_turns,
+        args.multi_turn_system_len,
+        args.multi_turn_user_len,
+        args.multi_turn_output_len,
+        args.random_range_ratio,
+        args.multi_turn_think_time,
+    )
+
+
+def endpoint(args: argparse.Namespace) -> str:
+    chat = "/v1/chat/completions"
+    if args.dataset != "multi-turn":
+        return args.endpoint or "/v1/completions"
+    if args.endpoint not in (None, chat):
+        raise ValueError(f"--dataset multi-turn needs --endpoint {chat}")
+    return chat
+
+
+async def run_stage(
+    args: argparse.Namespace,
+    client,
+    target: Target,
+    maker: PromptMaker | None,
+    spec: RunSpec,
+    progress: Progress | None,
+    n: int,
+    warmup: bool = False,
+) -> tuple[list[RequestOutput], float]:
+    """One stage's outputs and duration: the conversations of a multi-turn run, else ``n``
+    requests. A warm-up sends ``n`` requests: no bursts; multi-turn: ``n`` first turns."""
+    if args.dataset == "multi-turn":
+        mt = multi_turn_spec(args)
+        if warmup:
+            mt = replace(mt, conversations=n, turns=1)
+        convs = build_conversations(maker, mt, np.random.default_rng(spec.seed))
+        return await run_conversations(client, target, convs, spec, mt.think_time, progress)
+    requests = build_requests(args, maker, spec.rate, n, spec.seed)
+    if warmup:
+        requests = requests[:n]
+    return await run_requests(client, target, requests, spec, progress)
+
+
 async def make_prompts(args: argparse.Namespace, client, target: Target) -> PromptMaker | None:
     if args.tokenizer:
         return TokenPrompts(load_tokenizer(args.tokenizer))
@@ -99,7 +145,7 @@ def stages(args: argparse.Namespace) -> list[Stage]:
 
 def metadata(args: argparse.Namespace, target: Target, stage: Stage, slo: Slo) -> dict[str, Any]:
     """vLLM's run fields (``request_rate`` is the string ``"inf"`` when unbounded)."""
-    return {
+    meta = {
         "date": time.strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if target.chat else "openai",
         "base_url": target.base_url,
@@ -115,6 +161,9 @@ def metadata(args: argparse.Namespace, target: Target, stage: Stage, slo: Slo) -
         "slo_ms": {k: v for k, v in vars(slo).items() if v is not None},
         "sweep_stage": stage.name,
     }
+    if args.dataset == "multi-turn":
+        meta["multi_turn"] = asdict(multi_turn_spec(args))
+    return meta
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -122,11 +171,14 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     slo = parse_slo(args.slo)
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     plan = stages(args)
+    path = endpoint(args)
+    if args.dataset == "multi-turn":
+        multi_turn_spec(args)  # bad knobs fail before any request
     async with make_client(args.request_timeout) as client:
         model = args.model or await first_model(client, args.base_url, args.api_key)
         target = Target(
             args.base_url,
-            args.endpoint,
+            path,
             model,
             args.api_key,
             args.extra_body,
@@ -142,17 +194,17 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if sweep:
             print(sweep_header())
         for i, stage in enumerate(plan):  # --sweep appends its rates after the first two
-            requests = build_requests(
-                args, maker, stage.rate, num_requests(args, stage.rate), args.seed + i
-            )
             spec = RunSpec(
                 stage.rate, args.burstiness, stage.max_concurrency, args.duration, args.seed + i
             )
             label = f"{stage.name} {stage.rate:g}: " if sweep else ""
             progress = None if args.no_progress else Progress(label)
-            outputs, duration = await run_requests(client, target, requests, spec, progress)
+            n = num_requests(args, stage.rate)
+            outputs, duration = await run_stage(args, client, target, maker, spec, progress, n)
             result = {**metadata(args, target, stage, slo), "num_prompts": len(outputs)}
             result.update(summarize(outputs, duration, slo, percentiles))
+            if args.dataset == "multi-turn":
+                result["per_turn"] = per_turn(outputs, args.multi_turn_turns, percentiles)
             result["rate"] = effective_rate(stage.rate, result)
             if args.save_detailed:
                 result.update(detail(outputs))
@@ -169,11 +221,10 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 async def warm_up(
     args: argparse.Namespace, client, target: Target, maker: PromptMaker | None
 ) -> None:
-    """``--warmup`` requests of the workload's shape (other prompts), all at once."""
-    seed = args.seed + WARMUP_SEED_OFFSET
-    reqs = build_requests(args, maker, math.inf, args.warmup, seed)[: args.warmup]  # no bursts
-    spec = RunSpec(max_concurrency=args.max_concurrency)
-    outputs, _ = await run_requests(client, target, reqs, spec)
+    """``--warmup`` requests of the workload's shape (other prompts), all at once; mixed:
+    no bursts; multi-turn: first turns, under another system prompt."""
+    spec = RunSpec(max_concurrency=args.max_concurrency, seed=args.seed + WARMUP_SEED_OFFSET)
+    outputs, _ = await run_stage(args, client, target, maker, spec, None, args.warmup, True)
     failed = sum(not o.success for o in outputs)
     print(f"warmup: {len(outputs)} requests, {failed} failed", file=sys.stderr)
 

@@ -10,6 +10,10 @@
 Output tokens come from the stream's ``usage``. ITLs are pooled over every request. Goodput
 counts completed requests meeting every SLO (a one-token output's TPOT counts as 0, as in vLLM)
 per second of the run; attainment is their share of all requests sent, failed ones included.
+
+A multi-turn run adds ``per_turn``: the same figures for each turn index, and for turns 3 and
+later pooled (``"3+"``), with the sum of the server's ``prompt_tokens_details.cached_tokens``
+(``None`` where the server reported none).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 import numpy as np
 
 METRICS = ("ttft", "ttft_content", "tpot", "itl", "e2el")
+TURN_METRICS = ("ttft", "tpot", "e2el")
+POOLED_FROM_TURN = 3  # the issue's aims are stated at turns >= 3
 
 
 @dataclass
@@ -36,8 +42,10 @@ class RequestOutput:
     latency: float = 0.0  # E2EL: to the last chunk carrying choices
     output_tokens: int = 0
     prompt_tokens: int = 0  # the server's usage, else the workload's own count
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     generated_text: str = ""
     kind: str = ""
+    turn: int = 0  # a multi-turn conversation's turn, from 1; 0: not one
 
     @property
     def tpot(self) -> float | None:
@@ -140,6 +148,7 @@ def summarize(
         "total_token_throughput": (total_input + total_output) / duration_s,
         "good_requests": good,
         "slo_attainment": None if good is None or not outputs else good / len(outputs),
+        "total_cached_tokens": cached_sum(done),
         "error_summary": dict(Counter(o.error for o in outputs if not o.success)),
     }
     for metric in METRICS:
@@ -160,6 +169,39 @@ def detail(outputs: list[RequestOutput]) -> dict[str, list[Any]]:
         "e2els": [o.latency if o.success else None for o in outputs],
         "start_times": [o.start_time for o in outputs],
         "kinds": [o.kind for o in outputs],
+        "turns": [o.turn for o in outputs],
+        "cached_tokens": [o.cached_tokens for o in outputs],
         "generated_texts": [o.generated_text for o in outputs],
         "errors": [o.error for o in outputs],
     }
+
+
+def cached_sum(outputs: list[RequestOutput]) -> int | None:
+    """The server's cached prompt tokens over ``outputs``; None if it reported none."""
+    reported = [o.cached_tokens for o in outputs if o.cached_tokens is not None]
+    return sum(reported) if reported else None
+
+
+def per_turn(
+    outputs: list[RequestOutput], turns: int, percentiles: tuple[float, ...] = (90, 99)
+) -> dict[str, dict[str, Any]]:
+    """``{"1": stats, …, str(turns): stats, "3+": stats}`` ("3+" when there are 3 turns or
+    more): requests sent, completed, prompt and cached tokens of the completed ones, and the
+    distribution of each of ``TURN_METRICS`` in ms."""
+    buckets = {str(t): [o for o in outputs if o.turn == t] for t in range(1, turns + 1)}
+    if turns >= POOLED_FROM_TURN:
+        buckets[f"{POOLED_FROM_TURN}+"] = [o for o in outputs if o.turn >= POOLED_FROM_TURN]
+    result = {}
+    for label, outs in buckets.items():
+        done = [o for o in outs if o.success]
+        stats: dict[str, Any] = {
+            "requests": len(outs),
+            "completed": len(done),
+            "prompt_tokens": sum(o.prompt_tokens for o in done),
+            "cached_tokens": cached_sum(done),
+        }
+        for metric in TURN_METRICS:
+            for stat, value in distribution(metric_values(outs, metric), percentiles).items():
+                stats[f"{stat}_{metric}_ms"] = value
+        result[label] = stats
+    return result

@@ -124,10 +124,26 @@ def result_table(result: dict[str, Any], percentiles: tuple[float, ...]) -> str:
     for title, metric in ROWS:
         keys = [f"{s}_{metric}_ms" for s in stats]
         lines.append(f"{title:<14}" + "".join(f"{result.get(k, 0.0):>10.2f}" for k in keys))
+    if result.get("per_turn"):
+        lines += turn_rows(result["per_turn"], percentiles[-1] if percentiles else 99)
     for error, count in list(result.get("error_summary", {}).items())[:5]:
         lines.append(f"failed x{count}: {error[:200]}")
     lines.append("=" * 64)
     return "\n".join(lines)
+
+
+def turn_rows(per_turn: dict[str, dict[str, Any]], p: float) -> list[str]:
+    """A multi-turn run's figures by turn: requests, tokens, median and ``p`` TTFT and TPOT."""
+    pk = f"p{p:g}"
+    figures = ("prompt", "cached", "TTFT p50", f"TTFT {pk}", "TPOT p50", f"TPOT {pk}")
+    lines = ["{:-^64}".format(" By turn (tokens summed, ms) ")]
+    lines.append(f"{'turn':<5}{'done':>5}{'fail':>5}" + "".join(f"{h:>9}" for h in figures))
+    for label, s in per_turn.items():
+        row = f"{label:<5}{s['completed']:>5}{s['requests'] - s['completed']:>5}"
+        row += f"{s['prompt_tokens']:>9}{_fmt(s['cached_tokens'], '{}'):>9}"
+        keys = ("median_ttft_ms", f"{pk}_ttft_ms", "median_tpot_ms", f"{pk}_tpot_ms")
+        lines.append(row + "".join(f"{s.get(k, 0.0):>9.1f}" for k in keys))
+    return lines
 
 
 def sweep_header() -> str:
