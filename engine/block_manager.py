@@ -157,6 +157,13 @@ class BlockManager:
             raise NoFreeBlocks(f"need {n} blocks, {len(self.free)} free")
         return [self._take_free() for _ in range(n)]
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """One more reference to each block (a forked sequence reading the same KV)."""
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count <= 0:
+                raise RuntimeError(f"block {block_id} is free: nothing to share")
+            self._ref(block_id)
+
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         for block_id in reversed(block_ids):
             self._unref(block_id)

@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.fork import ForkMixin
 from engine.grammar import GrammarCache
 from engine.kv_handoff import KVHandoffMixin
 from engine.model_runner import ModelRunner
@@ -43,7 +44,7 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
-class LLMEngine(KVHandoffMixin):
+class LLMEngine(KVHandoffMixin, ForkMixin):
     def __init__(self, config: EngineConfig) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -150,7 +151,9 @@ class LLMEngine(KVHandoffMixin):
             return False
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-        self._final_outputs.append(seq)
+        if seq.choices is None:  # a prompt computed for n choices reports through them
+            self._final_outputs.append(seq)
+        self._abort_forked(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -173,12 +176,12 @@ class LLMEngine(KVHandoffMixin):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         if inputs.sample_seqs:
-            sampled = self.sampler(logits, inputs.sample_seqs)
-            for seq, token, lp in zip(
-                inputs.sample_seqs, sampled.token_ids, sampled.logprobs, strict=True
-            ):
+            seqs, logits = self._fork_rows(inputs.sample_seqs, logits)
+            sampled = self.sampler(logits, seqs)
+            for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                 self._append_token(seq, token, lp)
                 outputs.append(self._output(seq))
+            self._settle_forks(inputs.sample_seqs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:

@@ -23,6 +23,16 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.layers[0].shape[0]
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Block ``dst[i]`` of every layer becomes a copy of block ``src[i]`` (K and V)."""
+        if not src:
+            return
+        device = self.layers[0].device
+        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+        for layer in self.layers:  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+            layer[dst_t] = layer[src_t]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)

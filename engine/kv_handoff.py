@@ -35,14 +35,18 @@ class KVHandoffMixin:
         self.block_manager.free_seq(seq)
         return True
 
-    def reserve(self: LLMEngine, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks for ``num_tokens`` tokens of KV that another worker will write.
+    def reserve(self: LLMEngine, request_id: str, num_tokens: int, choices: int = 1) -> list[int]:
+        """Blocks for ``num_tokens`` tokens of KV that another worker will write, and one
+        more for each choice past the first (engine/fork.py ``add_prefilled_n``).
 
         ``NoFreeBlocks`` when they are not free now; ``ValueError`` for a duplicate id.
         """
         if request_id in self.reserved or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} already has blocks here")
-        ids = self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
+        if choices < 1:
+            raise ValueError(f"choices must be at least 1, got {choices}")
+        n = self.block_manager.blocks_needed(num_tokens) + choices - 1
+        ids = self.block_manager.allocate_blocks(n)
         self.reserved[request_id] = ids
         return ids
 

@@ -6,6 +6,10 @@ Status on the engine (each sequence is in exactly one scheduler queue)::
                       ▲                   │
                       └──── preempted ────┘   (blocks freed, recomputed later)
     abort from any state ─▶ FINISHED (finish_reason "abort")
+
+A prompt computed once for ``n`` choices (engine/fork.py) is a sequence of its own whose
+``choices`` wait outside the queues until its last logits give each its token 0; then they
+enter WAITING with forked blocks (or finish there) and the prompt sequence is FINISHED.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class Sequence:
     penalty: Any = None
     # llguidance matcher of a constrained request (engine/grammar.py), advanced per token
     matcher: Any = None
+    # n choices of one prompt (engine/fork.py): on the prompt's sequence, its choices until
+    # their token 0 is drawn; on each such choice, that prompt's sequence
+    choices: list[Sequence] | None = field(default=None, repr=False, compare=False)
+    parent: Sequence | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

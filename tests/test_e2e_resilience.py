@@ -26,6 +26,24 @@ def pids_of(worker_id: str, parent: int) -> list[int]:
     ]
 
 
+def stream_on_a_decode_worker(
+    c: ServedCluster, body: dict, events: list[str]
+) -> tuple[threading.Thread, list[str]]:
+    """Start streaming ``body`` into ``events``; the thread, and the decode worker(s) whose
+    blocks show the stream."""
+    started = threading.Event()
+    t = threading.Thread(target=stream_events, args=(c.url, body, events, started))
+    t.start()
+    assert started.wait(30)
+    deadline = time.monotonic() + 5
+    busy: list[str] = []
+    while not busy and time.monotonic() < deadline:
+        busy = [w for w, used in c.kv_blocks_used().items() if w.startswith("decode") and used]
+        time.sleep(0.1)
+    assert busy, "no decode worker showed the stream's blocks"
+    return t, busy
+
+
 def stream_events(url: str, body: dict, events: list, started: threading.Event) -> None:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -52,16 +70,7 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
             "stream": True,
         }
         events: list[str] = []
-        started = threading.Event()
-        t = threading.Thread(target=stream_events, args=(c.url, body, events, started))
-        t.start()
-        assert started.wait(30)
-        deadline = time.monotonic() + 5
-        busy: list[str] = []
-        while not busy and time.monotonic() < deadline:
-            busy = [w for w, used in c.kv_blocks_used().items() if w.startswith("decode") and used]
-            time.sleep(0.1)
-        assert busy, "no decode worker showed the stream's blocks"
+        t, busy = stream_on_a_decode_worker(c, body, events)
         killed_at = time.monotonic()
         [pid] = pids_of(busy[0], c.proc.pid)
         os.kill(pid, signal.SIGKILL)

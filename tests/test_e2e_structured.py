@@ -8,15 +8,13 @@ import json
 import os
 import re
 import signal
-import threading
-import time
 
 import jsonschema_rs
 import openai
 import pytest
 
 from tests.e2e_util import ServedCluster
-from tests.test_e2e_resilience import pids_of, stream_events
+from tests.test_e2e_resilience import pids_of, stream_on_a_decode_worker
 from tests.test_structured import LIST_SCHEMA, SCHEMA
 
 
@@ -179,16 +177,7 @@ def test_decode_worker_killed_mid_structured_output_migrates(small_dir) -> None:
             "structured_outputs": {"json": LONG_SCHEMA},
         }
         events: list[str] = []
-        started = threading.Event()
-        t = threading.Thread(target=stream_events, args=(c.url, body, events, started))
-        t.start()
-        assert started.wait(30)
-        deadline = time.monotonic() + 5
-        busy: list[str] = []
-        while not busy and time.monotonic() < deadline:
-            busy = [w for w, used in c.kv_blocks_used().items() if w.startswith("decode") and used]
-            time.sleep(0.1)
-        assert busy, "no decode worker showed the stream's blocks"
+        t, busy = stream_on_a_decode_worker(c, body, events)
         [pid] = pids_of(busy[0], c.proc.pid)
         os.kill(pid, signal.SIGKILL)
         t.join(60)
