@@ -319,6 +319,7 @@ class Coordinator(Recovery):
             req.stream_address,
             msg.choice,
             transfer_secret=msg.transfer_secret,
+            skip_blocks=msg.cached_blocks,
         )
         self._send(prefill.worker_id, route.job)
 

@@ -46,7 +46,8 @@ class Choice:
     first_token: int | None = None
     reserved_at: float = field(default_factory=time.monotonic)
     first_logprob: m.TokenLogprob | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+    num_local_cached_tokens: int = 0  # prompt tokens whose KV this worker held already
 
 
 class DecodeWorker:
@@ -98,25 +99,40 @@ class DecodeWorker:
         )
         try:
             self.engine.check_prompt(msg.prompt_token_ids, sampling_params(msg.sampling))
-            ids = self.engine.reserve(key, len(msg.prompt_token_ids) + 1)
+            # leading blocks this worker's prefix cache holds are shared, not moved again
+            ids, cached = self.engine.reserve_prompt(key, msg.prompt_token_ids)
         except (ValueError, NoFreeBlocks) as e:
             self.outbox.to_coordinator(self._reserved(msg, [], str(e)))
             return
+        choice.num_local_cached_tokens = cached * self.engine.block_manager.block_size
         secret = b""  # the sender must present it (kvtransfer.base.KVReceiver.expect)
         if self.receiver is not None:
             # the KV of the prompt fills the leading blocks; the last one is for token 0 on
             prompt_blocks = self.engine.block_manager.blocks_needed(len(msg.prompt_token_ids))
-            secret = self.receiver.expect(key, ids[:prompt_blocks], self.transfer_timeout_s)
+            secret = self.receiver.expect(key, ids[cached:prompt_blocks], self.transfer_timeout_s)
         self.reserved[key] = choice
-        self.outbox.to_coordinator(self._reserved(msg, ids, None, secret))
+        self.outbox.to_coordinator(self._reserved(msg, ids, None, secret, cached))
 
     def _reserved(
-        self, msg: m.Reserve, ids: list[int], error: str | None, secret: bytes = b""
+        self,
+        msg: m.Reserve,
+        ids: list[int],
+        error: str | None,
+        secret: bytes = b"",
+        cached_blocks: int = 0,
     ) -> m.Reserved:
         address = self.receiver.address if self.receiver is not None else ""
         free = self.engine.block_manager.num_free_blocks  # the coordinator's estimate follows it
         return m.Reserved(
-            msg.request_id, self.worker_id, ids, address, error, msg.choice, free, secret
+            msg.request_id,
+            self.worker_id,
+            ids,
+            address,
+            error,
+            msg.choice,
+            free,
+            secret,
+            cached_blocks,
         )
 
     def _transfer_done(self, msg: m.TransferDone) -> None:
@@ -198,7 +214,9 @@ class DecodeWorker:
                     params,
                     engine_logprob(choice.first_logprob),
                 )
-                self.engine.requests[key].num_cached_tokens = choice.num_cached_tokens
+                self.engine.requests[key].num_cached_tokens = max(
+                    choice.num_cached_tokens, choice.num_local_cached_tokens
+                )
                 self.running[key] = choice
 
     def _expire_reservations(self) -> None:

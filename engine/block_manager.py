@@ -95,7 +95,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens = seq.all_token_ids
-        hashes = block_hashes(tokens, self.block_size, seq.block_hashes)
+        return self._cached_run(block_hashes(tokens, self.block_size, seq.block_hashes), tokens)
+
+    def find_cached_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """``find_cached_prefix`` for tokens that have no sequence (yet): a reservation."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._cached_run(block_hashes(token_ids, self.block_size, []), token_ids)
+
+    def _cached_run(self, hashes: list[int], tokens: Sequence[int]) -> list[int]:
         limit = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
         for h in hashes[:limit]:
@@ -151,11 +159,15 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_committed_blocks = 0
 
-    def allocate_blocks(self, n: int) -> list[int]:
-        """``n`` fresh blocks with one reference each (for reservations outside a sequence)."""
-        if n > len(self.free):
-            raise NoFreeBlocks(f"need {n} blocks, {len(self.free)} free")
-        return [self._take_free() for _ in range(n)]
+    def allocate_blocks(self, n: int, hits: Sequence[int] = ()) -> list[int]:
+        """``hits`` (cached blocks, from ``find_cached_blocks``) shared, then ``n`` fresh blocks,
+        each with one more reference (for reservations outside a sequence)."""
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if n + revived > len(self.free):
+            raise NoFreeBlocks(f"need {n + revived} blocks, {len(self.free)} free")
+        for block_id in hits:
+            self._ref(block_id)
+        return [*hits, *(self._take_free() for _ in range(n))]
 
     def share(self, block_ids: Sequence[int]) -> None:
         """One more reference to each block (a forked sequence reading the same KV)."""

@@ -46,6 +46,7 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.outbox = outbox
         self.tokens = TokenBatcher(outbox)  # this step's token 0s, one message per gateway
+        self.blocks_sent = 0  # KV blocks pushed to decode workers
         self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
         self.computing: dict[str, m.PrefillJob] = {}
@@ -136,14 +137,17 @@ class PrefillWorker:
             out.num_cached_tokens,
             job.choice,
         )
+        # the decode worker holds the leading ``skip_blocks`` already (its prefix cache)
+        skip = min(max(job.skip_blocks, 0), len(src) - 1)
         spec = TransferSpec(
             key,
-            src,
-            job.dst_block_ids[: len(src)],
+            src[skip:],
+            job.dst_block_ids[skip : len(src)],
             job.transfer_address,
             self.transfer_timeout_s,
             job.transfer_secret,
         )
+        self.blocks_sent += len(spec.src_block_ids)
         self.sending[key] = (job, done)  # first: the sender may finish before send returns
         try:
             self.sender.send(spec, self.engine.runner.kv_cache.layers)

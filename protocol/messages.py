@@ -235,6 +235,9 @@ class Reserved(Message):
     free_blocks: int = -1  # the worker's free KV blocks after this answer (-1: unknown)
     # random per reservation: the KV sender must present it (ucx, cuda_ipc, nccl have no CURVE)
     transfer_secret: bytes = b""
+    # leading blocks of ``block_ids`` the decode worker already holds (its prefix cache): the
+    # prefill worker moves only the rest
+    cached_blocks: int = 0
 
 
 @message("prefill_job")
@@ -252,6 +255,7 @@ class PrefillJob(Message):
     # run here, no transfer (empty dst_block_ids): recompute these tokens, continue after them
     generated_token_ids: list[int] = field(default_factory=list)
     transfer_secret: bytes = b""  # the decode worker's ``Reserved.transfer_secret``
+    skip_blocks: int = 0  # ``Reserved.cached_blocks``: leading blocks not to move
 
 
 @message("transfer_done")
