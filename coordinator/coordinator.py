@@ -32,6 +32,7 @@ from collections import Counter
 from typing import Protocol
 
 from coordinator.capacity import too_big
+from coordinator.placement import HOT_SPOT_TOKENS, Placement
 from coordinator.recovery import Recovery
 from coordinator.registry import Worker, WorkerRegistry
 from coordinator.routes import Key, Route, RouteTable
@@ -61,6 +62,8 @@ class Coordinator(Recovery):
         max_queued: int = 4096,
         max_local_prefill_tokens: int = 0,
         max_prefill_queue_tokens: int = 0,
+        routing: str = "kv",
+        hot_spot_tokens: int = HOT_SPOT_TOKENS,
     ) -> None:
         timeouts = (
             ("reserve", reserve_timeout_s),
@@ -82,6 +85,8 @@ class Coordinator(Recovery):
         self.max_local_prefill_tokens = max_local_prefill_tokens
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.decisions: Counter[str] = Counter()  # routing decisions by reason
+        # which worker of a pool (prefill choices counted by reason, beside ``decisions``)
+        self.placement = Placement(self.registry, routing, hot_spot_tokens)
         # workers that let a reservation or a prefill job time out -> when; passed over for
         # new work until they answer again or ``SILENT_HOLD_S`` has passed
         self.silent: dict[str, float] = {}
@@ -95,9 +100,10 @@ class Coordinator(Recovery):
         handler = {
             m.Register: self._register,
             m.Heartbeat: self._heartbeat,
+            m.KVEvents: lambda e, _t: self.registry.kv_events(e),
             m.GatewayHello: lambda h, _t: self.outbox.to_gateway(
                 h.stream_address,
-                dataclasses.replace(self.registry.cluster_state(), routing=dict(self.decisions)),
+                dataclasses.replace(self.registry.cluster_state(), routing=self._routing()),
             ),
             m.Generate: self._generate,
             m.Reserved: self._reserved,
@@ -111,6 +117,10 @@ class Coordinator(Recovery):
             return
         self._now = now
         handler(msg, now)
+
+    def _routing(self) -> dict[str, int]:
+        """Every routing decision by reason: each choice's route, each prefill placement."""
+        return dict(self.decisions + self.placement.decisions)
 
     def _heartbeat(self, hb: m.Heartbeat, now: float) -> None:
         if self.registry.heartbeat(hb, now):
@@ -165,7 +175,7 @@ class Coordinator(Recovery):
             self.decisions["disaggregated"] += 1
             return False
         need = -(-(len(req.prompt_token_ids) + 1) // self._block_size(req.model))
-        worker = self.registry.pick_decode_avoiding(req.model, need, self._silent())
+        worker = self.placement.pick_decode(req.model, need, self._silent())
         if worker is None:  # no room anywhere now: the usual path queues it
             self.decisions["disaggregated"] += 1
             return False
@@ -191,7 +201,7 @@ class Coordinator(Recovery):
         bs = self._block_size(req.model)
         need = -(-(len(req.prompt_token_ids) + 1) // bs)
         tried = tried or set()
-        worker = self.registry.pick_decode_avoiding(req.model, need, tried | self._silent())
+        worker = self.placement.pick_decode(req.model, need, tried | self._silent())
         if worker is None:
             if self._can_queue(req.model):
                 # the pool is full for now: wait for blocks to come back, oldest first
@@ -232,7 +242,7 @@ class Coordinator(Recovery):
         silent = self._silent()
         for route in [r for r in self.routes.values() if r.state == "queued"]:
             req = route.request
-            worker = self.registry.pick_decode_avoiding(req.model, route.need, silent)
+            worker = self.placement.pick_decode(req.model, route.need, silent)
             if worker is None:
                 return  # first come, first served: no later, smaller one jumps the queue
             route.state, route.decode, route.since = "reserving", worker.worker_id, self._now
@@ -244,7 +254,7 @@ class Coordinator(Recovery):
         choice = req.resume_choice
         bs = self._block_size(req.model)
         need = -(-(len(req.prompt_token_ids) + len(req.resume_token_ids) + 1) // bs)
-        worker = self.registry.pick_decode(req.model, need)
+        worker = self.placement.pick_decode(req.model, need, ())
         if worker is None:
             self._error_to(req, 503, "no decode worker can take over this request")
             return
@@ -396,7 +406,7 @@ class Coordinator(Recovery):
 
     def _pick_prefill(self, req: m.Generate, tried: set[str]) -> Worker | None:
         avoid = tried | self._silent()
-        return self.registry.pick_prefill_avoiding(req.model, len(req.prompt_token_ids), avoid)
+        return self.placement.pick_prefill(req.model, req.prompt_token_ids, avoid)
 
     def _send(self, worker_id: str, msg: m.Message) -> None:
         worker = self.registry.workers.get(worker_id)

@@ -10,6 +10,7 @@ import time
 import zmq
 
 from coordinator.coordinator import Coordinator
+from coordinator.placement import HOT_SPOT_TOKENS, ROUTING_MODES
 from coordinator.trust import RateLimitedLog
 from engine import envs
 from protocol import security
@@ -98,7 +99,23 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Conditional disaggregation (the coordinator's; ``pdserve serve`` passes them on)."""
+    """Placement and conditional disaggregation (the coordinator's; ``pdserve serve`` passes
+    them on)."""
+    parser.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        default="kv",
+        help="how a prefill worker is picked: kv (fewest prompt tokens to compute, from the "
+        "workers' prefix caches, plus its queue), load (shortest queue), round-robin; decode "
+        "workers go by free blocks (round-robin: in turn)",
+    )
+    parser.add_argument(
+        "--kv-hot-spot-tokens",
+        type=int,
+        default=HOT_SPOT_TOKENS,
+        help="kv routing: a worker whose prompt-token queue is this much longer than the "
+        "shortest one does not take a request for its cache (0: no guard)",
+    )
     parser.add_argument(
         "--max-local-prefill-tokens",
         type=int,
@@ -117,6 +134,8 @@ def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
 
 def routing_flags(args: argparse.Namespace) -> list[str]:
     return [
+        f"--routing={args.routing}",
+        f"--kv-hot-spot-tokens={args.kv_hot_spot_tokens}",
         f"--max-local-prefill-tokens={args.max_local_prefill_tokens}",
         f"--max-prefill-queue-tokens={args.max_prefill_queue_tokens}",
     ]
@@ -125,6 +144,8 @@ def routing_flags(args: argparse.Namespace) -> list[str]:
 def run_coordinator(args: argparse.Namespace) -> int:
     if args.max_gateways < 1:
         raise SystemExit("pdserve coordinator: --max-gateways must be at least 1")
+    if args.kv_hot_spot_tokens < 0:
+        raise SystemExit("pdserve coordinator: --kv-hot-spot-tokens must be >= 0 (0: no guard)")
     ctx = security.context(security.from_env())
     inbox = make_socket(ctx, zmq.PULL, args.bind, bind=True)
     address = bound_address(inbox)
@@ -137,6 +158,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         queue_timeout_s=args.queue_timeout,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+        routing=args.routing,
+        hot_spot_tokens=args.kv_hot_spot_tokens,
     )
     if args.address_file:
         tmp = f"{args.address_file}.tmp"

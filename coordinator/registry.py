@@ -12,11 +12,20 @@ import secrets
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from coordinator.trust import RateLimitedLog, heartbeat_problem, register_problem
+from coordinator.kv_index import KVIndex
+from coordinator.trust import (
+    RateLimitedLog,
+    heartbeat_problem,
+    kv_events_problem,
+    register_problem,
+)
 from kvtransfer.base import LayoutMismatchError, check_layouts
 from protocol import messages as m
 
 logger = logging.getLogger(__name__)
+
+# what only the worker itself may say: checked against the key that registered its id
+WORKER_MESSAGES = (m.Heartbeat, m.Reserved, m.Finished, m.KVEvents)
 
 
 @dataclass
@@ -51,6 +60,7 @@ class WorkerRegistry:
     owners: dict[str, str] = field(default_factory=dict)
     refusals: RateLimitedLog = field(default_factory=RateLimitedLog)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    kv: KVIndex = field(default_factory=KVIndex)  # which worker caches which block
 
     def admit(self, msg: m.Message, sender: str) -> bool:
         """Whether ``sender`` may say ``msg``: a live worker id speaks only with the key that
@@ -58,7 +68,7 @@ class WorkerRegistry:
         if isinstance(msg, m.Register):
             return self._admit_register(msg, sender)
         worker_id = getattr(msg, "worker_id", None)
-        if not isinstance(msg, (m.Heartbeat, m.Reserved, m.Finished)) or worker_id is None:
+        if not isinstance(msg, WORKER_MESSAGES) or worker_id is None:
             return True
         owner = self.owners.get(worker_id)
         if owner is not None and owner != sender:
@@ -81,6 +91,13 @@ class WorkerRegistry:
                     "heartbeat" if isinstance(msg, m.Heartbeat) else "reservation",
                     worker_id,
                     problem,
+                )
+                return False
+        if isinstance(msg, m.KVEvents) and known is not None:
+            problem = kv_events_problem(msg, known.info.num_blocks)
+            if problem is not None:
+                self.refusals.error(
+                    f"kv events {worker_id}", "refused kv events of %s: %s", worker_id, problem
                 )
                 return False
         return True
@@ -123,6 +140,7 @@ class WorkerRegistry:
                     f"{other.info.transfer_backend!r}"
                 )
         self.workers[info.worker_id] = Worker(info, now, free_blocks=info.num_blocks)
+        self.kv.drop(info.worker_id)  # a new process: its cache starts from its own events
 
     def heartbeat(self, hb: m.Heartbeat, now: float) -> bool:
         worker = self.workers.get(hb.worker_id)
@@ -137,6 +155,17 @@ class WorkerRegistry:
         worker.draining = hb.draining
         return True
 
+    def kv_events(self, ev: m.KVEvents) -> None:
+        """A registered worker's prefix-cache changes into the index (``admit`` checked it)."""
+        worker = self.workers.get(ev.worker_id)
+        if worker is None:
+            return  # before its Register: its cache was empty, or its next snapshot tells
+        problem = self.kv.apply(ev, worker.info.num_blocks)
+        if problem is not None:
+            self.refusals.error(
+                f"kv index {ev.worker_id}", "forgot the cache of %s: %s", ev.worker_id, problem
+            )
+
     def expire(self, now: float) -> list[Worker]:
         """Drop and return workers silent for longer than the heartbeat timeout."""
         dead = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
@@ -144,6 +173,7 @@ class WorkerRegistry:
             logger.warning("worker %s (%s) missed its heartbeats", w.worker_id, w.info.role)
             del self.workers[w.worker_id]
             self.owners.pop(w.worker_id, None)  # a dead id may be taken by any key again
+            self.kv.drop(w.worker_id)
         return dead
 
     # ---- pairing ---------------------------------------------------------------------------
@@ -153,24 +183,6 @@ class WorkerRegistry:
     def disaggregated(self, model: str) -> bool:
         """Split pools: some worker only prefills. Else every worker runs both phases."""
         return any(w.info.role == "prefill" for w in self._serving(model))
-
-    def pick_decode(self, model: str, need_blocks: int) -> Worker | None:
-        """The decode-capable worker with the most free blocks (fewest running on a tie)."""
-        pool = [w for w in self._serving(model) if w.can_decode and w.free_blocks >= need_blocks]
-        if not pool:
-            return None
-        best = max(pool, key=lambda w: (w.free_blocks, -w.running))
-        best.free_blocks -= need_blocks
-        return best
-
-    def pick_prefill(self, model: str, prompt_tokens: int) -> Worker | None:
-        """The prefill worker with the fewest queued prompt tokens."""
-        pool = [w for w in self._serving(model) if w.info.role == "prefill"]
-        if not pool:
-            return None
-        best = min(pool, key=lambda w: w.queued_prompt_tokens)
-        best.queued_prompt_tokens += prompt_tokens
-        return best
 
     def pick_colocated(self, model: str, tokens: int) -> Worker | None:
         pool = [w for w in self._serving(model) if w.info.role == "both"]
@@ -215,21 +227,6 @@ class WorkerRegistry:
         return m.ClusterState(models_list, workers, self.instance_id)
 
     # ---- added for reservation answers and timeouts (coordinator.coordinator) --------------
-    def pick_decode_avoiding(
-        self, model: str, need_blocks: int, avoid: Collection[str]
-    ) -> Worker | None:
-        """``pick_decode`` among the workers not in ``avoid`` (refused, or never answered)."""
-        pool = [
-            w
-            for w in self._serving(model)
-            if w.can_decode and w.free_blocks >= need_blocks and w.worker_id not in avoid
-        ]
-        if not pool:
-            return None
-        best = max(pool, key=lambda w: (w.free_blocks, -w.running))
-        best.free_blocks -= need_blocks
-        return best
-
     def prefill_queue_tokens(self, model: str, avoid: Collection[str]) -> int | None:
         """The shortest prefill queue (prompt tokens) of the model's answering prefill workers;
         None when it has none."""
@@ -239,18 +236,6 @@ class WorkerRegistry:
             if w.info.role == "prefill" and w.worker_id not in avoid
         ]
         return min(queues) if queues else None
-
-    def pick_prefill_avoiding(
-        self, model: str, prompt_tokens: int, avoid: Collection[str]
-    ) -> Worker | None:
-        """``pick_prefill`` among the workers not in ``avoid``."""
-        pool = [w for w in self._serving(model) if w.info.role == "prefill"]
-        pool = [w for w in pool if w.worker_id not in avoid]
-        if not pool:
-            return None
-        best = min(pool, key=lambda w: w.queued_prompt_tokens)
-        best.queued_prompt_tokens += prompt_tokens
-        return best
 
     def decode_capacity(self, model: str) -> tuple[int, int]:
         """(blocks, block size) of the largest decode-capable worker of ``model``: what one

@@ -12,6 +12,7 @@ import logging
 import time
 
 from protocol import messages as m
+from protocol.prefix import HASH_BITS, MAX_KV_EVENT_HASHES
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,23 @@ def heartbeat_problem(hb: m.Heartbeat | m.Reserved, num_blocks: int) -> str | No
             return f"{name}={getattr(hb, name)} is outside [0, {MAX_REQUESTS}]"
     if not 0 <= hb.queued_prompt_tokens <= MAX_QUEUED_TOKENS:
         return f"queued_prompt_tokens={hb.queued_prompt_tokens} is outside [0, {MAX_QUEUED_TOKENS}]"
+    return None
+
+
+def kv_events_problem(ev: m.KVEvents, num_blocks: int) -> str | None:
+    """Why a ``KVEvents`` cannot be true of a worker that registered ``num_blocks``, or None.
+    (What it adds up to over many messages is bounded in ``coordinator.kv_index``.)"""
+    if len(ev.stored) + len(ev.evicted) > MAX_KV_EVENT_HASHES:
+        return f"{len(ev.stored) + len(ev.evicted)} hashes, at most {MAX_KV_EVENT_HASHES}"
+    if not 1 <= len(ev.epoch) <= 64 or not 0 <= ev.seq < 1 << 63:
+        return f"epoch {ev.epoch[:64]!r} or seq={ev.seq}"
+    if any(not 0 <= h < 1 << HASH_BITS for h in (*ev.stored, *ev.evicted)):
+        return f"a block hash outside [0, 2**{HASH_BITS})"
+    max_parts = max(1, -(-num_blocks // MAX_KV_EVENT_HASHES))
+    if ev.snapshot and (ev.evicted or not 0 <= ev.part < ev.parts <= max_parts):
+        return f"snapshot part {ev.part} of {ev.parts} (at most {max_parts}) with evictions"
+    if not ev.snapshot and (ev.part, ev.parts) != (0, 1):
+        return f"part {ev.part} of {ev.parts} outside a snapshot"
     return None
 
 

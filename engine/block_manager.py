@@ -14,28 +14,22 @@ again (LRU eviction). Used blocks = blocks with a reference; free blocks include
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-
-def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Stable across processes (unlike ``hash``), so workers can compare prefixes."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent if parent is not None else 0).to_bytes(8, "little", signed=False))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
+# the coordinator hashes prompts the same way to route them (coordinator/kv_index.py)
+from protocol.prefix import block_hashes as block_hashes
+from protocol.prefix import hash_block as hash_block
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, known: list[int]) -> list[int]:
-    """Extend ``known`` (hashes of the leading full blocks) to every full block of the tokens."""
-    for i in range(len(known), len(token_ids) // block_size):
-        parent = known[-1] if known else None
-        known.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
-    return known
+class CacheEvents(Protocol):
+    """Where the prefix cache reports its changes (``engine.kv_events.KVEventLog``)."""
+
+    def stored(self, block_hash: int) -> None: ...
+
+    def evicted(self, block_hash: int) -> None: ...
 
 
 class BlockOwner(Protocol):
@@ -69,6 +63,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.events: CacheEvents | None = None  # told of every hash cached and evicted
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -126,6 +121,8 @@ class BlockManager:
             if block.hash is None and hashes[i] not in self.cached:
                 block.hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
+                if self.events is not None:
+                    self.events.stored(hashes[i])
         seq.num_committed_blocks = num_full
 
     # ---- allocation -------------------------------------------------------------------
@@ -192,6 +189,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:  # evict: the cached content is about to be overwritten
             del self.cached[block.hash]
+            if self.events is not None:
+                self.events.evicted(block.hash)
             block.hash = None
         block.ref_count = 1
         return block_id

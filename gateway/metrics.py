@@ -198,7 +198,9 @@ class GatewayMetrics:
             Counter(
                 "pdserve_routing_decisions_total",
                 "The coordinator's route for each choice: disaggregated, local_short_prompt and "
-                "local_prefill_busy (prefilled on its decode worker), colocated.",
+                "local_prefill_busy (prefilled on its decode worker), colocated; and its prefill "
+                "worker for each: prefill_kv_hit, prefill_kv_miss, prefill_hot_spot_guard, "
+                "prefill_load, prefill_round_robin.",
                 ["reason"],
             )
         )

@@ -104,6 +104,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
             f"({HEARTBEAT_PERIOD_S:g}s), got {args.stall_timeout:g}"
         )
     from engine.engine import LLMEngine
+    from engine.kv_events import KVEventPublisher
     from engine.wire import heartbeat, kv_layout
     from kvtransfer import make_receiver, make_sender
 
@@ -158,6 +159,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         max_model_len=engine.max_model_len,
     )
 
+    kv_events = KVEventPublisher(engine.block_manager, worker_id)
+
     # Register again each period (a restarted coordinator relearns the cluster from it) is
     # the keep-alive; the Heartbeat is built on the loop thread, the only one touching the
     # engine, once a period and at once on drain (serve calls periodic then).
@@ -166,6 +169,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     )
 
     def periodic(now: float) -> None:
+        for events in kv_events.messages():  # what its prefix cache holds, for routing
+            outbox.to_coordinator(events)
         liveness.publish(heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining))
 
     log.info(

@@ -2,7 +2,7 @@
 
 Who sends what::
 
-    worker      ── Register, Heartbeat ──────────────────────────▶ coordinator
+    worker      ── Register, Heartbeat, KVEvents ────────────────▶ coordinator
     gateway     ── Generate, Abort ──────────────────────────────▶ coordinator
     coordinator ── Reserve ─▶ decode ── Reserved ────────────────▶ coordinator
     coordinator ── PrefillJob ─▶ prefill ── TransferDone ─▶ coordinator ─▶ decode
@@ -35,6 +35,7 @@ __all__ = [
     "GatewayHello",
     "Generate",
     "Heartbeat",
+    "KVEvents",
     "KVHeader",
     "KVLayout",
     "Message",
@@ -148,6 +149,25 @@ class Heartbeat(Message):
     waiting: int
     queued_prompt_tokens: int
     draining: bool = False  # finishing what it has, taking nothing new (SIGTERM)
+
+
+@message("kv_events")
+@dataclass(frozen=True)
+class KVEvents(Message):
+    """Worker → coordinator, beside each heartbeat: the prefix-cache block hashes
+    (``protocol.prefix``) it stored and evicted since its last message, at most
+    ``MAX_KV_EVENT_HASHES`` a message; or, with ``snapshot``, every hash it holds, in ``parts``
+    messages sent back to back (at its start, now and then after, and when its log of changes
+    overflowed), which replace what the coordinator knew of it."""
+
+    worker_id: str
+    epoch: str  # random per worker process: a new one means the worker restarted
+    seq: int  # consecutive within an epoch: a gap means messages were lost
+    stored: list[int]
+    evicted: list[int] = field(default_factory=list)
+    snapshot: bool = False
+    part: int = 0  # of a snapshot: this message's index among ``parts``
+    parts: int = 1
 
 
 # ---- gateways -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 from coordinator.coordinator import Coordinator
 from decode.worker import DecodeWorker
 from engine.engine import LLMEngine
+from engine.kv_events import KVEventPublisher
 from engine.wire import heartbeat, kv_layout
 from kvtransfer import make_receiver, make_sender
 from kvtransfer.faults import FaultPlan
@@ -65,6 +66,7 @@ class Cluster:
         self.backend = backend
         self.coordinator = Coordinator(self.bus.outbox(), **coordinator_options)
         self.workers: dict[str, PrefillWorker | DecodeWorker] = {}
+        self.kv_events: dict[str, KVEventPublisher] = {}  # sent by ``heartbeats``
         for i, engine in enumerate(engines_p):
             wid = f"p{i}"
             options = {"fault": fault} if fault is not None else {}
@@ -88,6 +90,7 @@ class Cluster:
             )
 
     def _register(self, wid: str, role: str, engine: LLMEngine, transfer: str) -> None:
+        self.kv_events[wid] = KVEventPublisher(engine.block_manager, wid)
         self.coordinator.handle(
             m.Register(
                 role,
@@ -141,7 +144,10 @@ class Cluster:
         raise AssertionError("cluster did not go idle")
 
     def heartbeats(self) -> None:
+        """Each worker's ``KVEvents`` and ``Heartbeat``, as its process sends them a period."""
         for wid, w in self.workers.items():
+            for events in self.kv_events[wid].messages():
+                self.coordinator.handle(m.decode(m.encode(events)), time.monotonic())
             self.coordinator.handle(
                 heartbeat(w.engine, wid, w.queued_prompt_tokens), time.monotonic()
             )

@@ -1,0 +1,277 @@
+"""KV-aware routing against load-based routing, on the ``multi-turn`` chat workload.
+
+Starts ``pdserve serve --prefill 2 --decode 2 --pin --routing MODE`` for each arm (on this
+2-core machine: a prefill and a decode worker pinned to each core), alternating the arms
+round by round (kv, load, load, kv, kv, ...: neither always goes first on a warmer or quieter
+machine), and runs ``pdserve bench --dataset multi-turn`` against each: conversations that
+re-send their history over a shared system prompt. Round r uses seed ``--seed + r`` for both
+arms, so each pair of runs sends the same conversations.
+
+Per run it keeps turns >= 3 (``per_turn["3+"]``): median TTFT, median TPOT, prompt and cached
+prompt tokens (``usage.prompt_tokens_details.cached_tokens``: the larger of the prefill
+worker's prefix-cache hit and the decode worker's, which holds the earlier answers too), and
+prompt - cached, a lower bound on the prompt tokens the prefill workers computed (their own
+count is not on ``/metrics`` yet); and the coordinator's routing decisions from ``/metrics``.
+The report gives each figure's median over the rounds per arm, and every run.
+
+Writes ``bench/results/kv_routing[_MODEL].json`` (no suffix for ``small``), a markdown table
+(``.md``) and a PNG beside it.
+
+    .venv/bin/python bench/experiments/kv_routing.py                        # about 10 min
+    .venv/bin/python bench/experiments/kv_routing.py --rounds 1 --conversations 8  # a smoke run
+
+The JSON records the load average before and after each run: other processes on these two
+cores show up as noise in every latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.cluster import ServeProcess  # noqa: E402
+from launch.serve import pdserve_command  # noqa: E402
+
+ARMS = ("kv", "load")
+FIGURES = (  # (key in a run's figures, label, format)
+    ("ttft_p50_ms", "turns 3+ median TTFT ms", "{:.0f}"),
+    ("tpot_p50_ms", "turns 3+ median TPOT ms", "{:.1f}"),
+    ("cached_fraction", "turns 3+ prompt tokens cached (usage)", "{:.0%}"),
+    ("computed_tokens", "turns 3+ prompt tokens not cached (usage)", "{:.0f}"),
+    ("completed", "turns 3+ completed", "{:.0f}"),
+)
+WORKLOAD_KEYS = (
+    "conversations",
+    "turns",
+    "system_len",
+    "user_len",
+    "output_len",
+    "concurrency",
+    "warmup",
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model directory or name (or small)"
+    )
+    p.add_argument("--rounds", type=int, default=3, help="runs of each arm")
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256, help="shared system prompt, tokens")
+    p.add_argument("--user-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-flag", action="append", default=[], help="extra pdserve serve flag")
+    p.add_argument("--out", default=None, help="default: bench/results/kv_routing_MODEL.json")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out")
+    return p.parse_args()
+
+
+def model_dir(name: str) -> str:
+    """A directory for ``--model`` (pulling or making it on first use)."""
+    from engine.model_store import resolve_model
+
+    return resolve_model(name)
+
+
+def default_out(name: str) -> Path:
+    suffix = "" if name == "small" else f"_{Path(name).name}"
+    return ROOT / f"bench/results/kv_routing{suffix}.json"
+
+
+def bench_flags(args: argparse.Namespace, model: str, seed: int) -> list[str]:
+    return [
+        "--dataset=multi-turn",
+        f"--tokenizer={model}",
+        f"--multi-turn-conversations={args.conversations}",
+        f"--multi-turn-turns={args.turns}",
+        f"--multi-turn-system-len={args.system_len}",
+        f"--multi-turn-user-len={args.user_len}",
+        f"--multi-turn-output-len={args.output_len}",
+        f"--max-concurrency={args.concurrency}",
+        "--request-rate=inf",
+        "--ignore-eos",
+        "--temperature=0",
+        f"--warmup={args.warmup}",
+        f"--seed={seed}",
+        "--no-progress",
+    ]
+
+
+def routing_decisions(url: str) -> dict[str, float]:
+    """``pdserve_routing_decisions_total`` by reason, from the gateway's ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.findall(r'pdserve_routing_decisions_total\{reason="([a-z_]+)"\} ([0-9.e+]+)', text)
+    return {reason: float(value) for reason, value in found}
+
+
+def run_arm(args: argparse.Namespace, model: str, arm: str, seed: int, out: Path) -> dict:
+    print(f"== {arm} (seed {seed}): starting pdserve serve", flush=True)
+    flags = ["--prefill=2", "--decode=2", "--pin", f"--routing={arm}", *args.serve_flag]
+    load_before = os.getloadavg()
+    cluster = ServeProcess(model, flags)
+    try:
+        cmd = [*pdserve_command(), "bench", f"--base-url={cluster.url}"]
+        cmd += [*bench_flags(args, model, seed), f"--save-result={out}"]
+        subprocess.run(cmd, check=True)
+        time.sleep(1.5)  # the coordinator's figures reach the gateway about once a second
+        decisions = routing_decisions(cluster.url)
+    finally:
+        cluster.stop()
+    result = json.loads(out.read_text())
+    turns = result["per_turn"]["3+"]
+    cached = turns["cached_tokens"] or 0
+    return {
+        "arm": arm,
+        "seed": seed,
+        "ttft_p50_ms": turns["median_ttft_ms"],
+        "tpot_p50_ms": turns["median_tpot_ms"],
+        "prompt_tokens": turns["prompt_tokens"],
+        "cached_tokens": cached,
+        "cached_fraction": cached / turns["prompt_tokens"] if turns["prompt_tokens"] else 0.0,
+        "computed_tokens": turns["prompt_tokens"] - cached,
+        "completed": turns["completed"],
+        "requests": turns["requests"],
+        "failed": result["failed"],
+        "routing": decisions,
+        "loadavg": [load_before, os.getloadavg()],
+    }
+
+
+def summary(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Each arm's median of each figure over its runs."""
+    return {
+        arm: {
+            key: statistics.median(r[key] for r in runs if r["arm"] == arm) for key, _, _ in FIGURES
+        }
+        for arm in ARMS
+    }
+
+
+def table(report: dict) -> str:
+    med = report["median"]
+    lines = [
+        "| figure (median over rounds) | kv | load | load / kv |",
+        "|---|---|---|---|",
+    ]
+    for key, label, fmt in FIGURES:
+        kv, load = med["kv"][key], med["load"][key]
+        ratio = f"{load / kv:.2f}" if kv else "-"
+        lines.append(f"| {label} | {fmt.format(kv)} | {fmt.format(load)} | {ratio} |")
+    lines += [
+        "",
+        "| run | arm | TTFT p50 ms | TPOT p50 ms | cached | not cached | routing decisions |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(report["runs"]):
+        routing = ", ".join(f"{k} {v:g}" for k, v in sorted(r["routing"].items()))
+        lines.append(
+            f"| {i + 1} | {r['arm']} | {r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f}"
+            f" | {r['cached_fraction']:.0%} | {r['computed_tokens']} | {routing} |"
+        )
+    return "\n".join(lines)
+
+
+def draw(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("ttft_p50_ms", "median TTFT, turns ≥ 3 (ms)"),
+        ("tpot_p50_ms", "median TPOT, turns ≥ 3 (ms)"),
+        ("computed_tokens", "prompt tokens not cached, turns ≥ 3"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 3.8))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for x, arm in enumerate(ARMS):
+            values = [r[key] for r in report["runs"] if r["arm"] == arm]
+            ax.bar(x, report["median"][arm][key], color=("C0", "C1")[x], alpha=0.6)
+            ax.scatter([x] * len(values), values, color="k", s=12, zorder=3)
+        ax.set_xticks(range(len(ARMS)), [f"--routing {a}" for a in ARMS])
+        ax.set_title(title, fontsize="medium")
+        ax.grid(axis="y", alpha=0.3)
+    w = report["workload"]
+    fig.suptitle(
+        f"multi-turn, {report['model']}, 2 prefill + 2 decode on 2 cores: {w['conversations']} "
+        f"conversations × {w['turns']} turns, system {w['system_len']}, user {w['user_len']}, "
+        f"answer {w['output_len']} tokens, {w['concurrency']} in flight (bars: median; dots: runs)",
+        fontsize="small",
+    )
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def write(report: dict, out: Path) -> None:
+    md = out.with_suffix(".md")
+    loads = [x[0] for r in report["runs"] for x in r["loadavg"]]
+    noise = (
+        f"{report['machine']['cpus']} cores shared with other processes: the 1-minute load "
+        f"average ran {min(loads):.1f}-{max(loads):.1f} around the runs."
+    )
+    md.write_text(
+        f"# KV-aware routing vs load, multi-turn\n\n`{report['command']}`\n\n{noise}\n\n"
+        f"{table(report)}\n"
+    )
+    draw(report, out.with_suffix(".png"))
+    print(table(report))
+    print(f"wrote {out}, {md.name}, {out.with_suffix('.png').name}")
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(args.out) if args.out else default_out(args.model)
+    if args.replot:
+        write(json.loads(out.read_text()), out)
+        return 0
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    model = model_dir(args.model)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = ARMS if r % 2 == 0 else ARMS[::-1]
+            for arm in order:
+                path = Path(tmp) / f"{arm}-{r}.json"
+                runs.append(run_arm(args, model, arm, args.seed + r, path))
+    command = shlex.join([".venv/bin/python", "bench/experiments/kv_routing.py"])
+    command += "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
+    report = {
+        "command": command,
+        "bench_command": shlex.join(
+            ["pdserve", "bench", "--base-url=URL", *bench_flags(args, "MODEL", args.seed)]
+        ),
+        "model": Path(args.model).name,
+        "workload": {key: getattr(args, key) for key in WORKLOAD_KEYS},
+        "machine": {"cpus": os.cpu_count()},
+        "median": summary(runs),
+        "runs": runs,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    write(report, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
