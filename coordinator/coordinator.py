@@ -120,7 +120,8 @@ class Coordinator(Recovery):
 
     def _routing(self) -> dict[str, int]:
         """Every routing decision by reason: each choice's route, each prefill placement."""
-        return dict(self.decisions + self.placement.decisions)
+        placement = self.placement
+        return dict(self.decisions + placement.decisions + placement.decode_decisions)
 
     def _heartbeat(self, hb: m.Heartbeat, now: float) -> None:
         if self.registry.heartbeat(hb, now):
@@ -175,7 +176,7 @@ class Coordinator(Recovery):
             self.decisions["disaggregated"] += 1
             return False
         need = -(-(len(req.prompt_token_ids) + 1) // self._block_size(req.model))
-        worker = self.placement.pick_decode(req.model, need, self._silent())
+        worker = self.placement.pick_decode(req.model, need, self._silent(), req.prompt_token_ids)
         if worker is None:  # no room anywhere now: the usual path queues it
             self.decisions["disaggregated"] += 1
             return False
@@ -201,7 +202,9 @@ class Coordinator(Recovery):
         bs = self._block_size(req.model)
         need = -(-(len(req.prompt_token_ids) + 1) // bs)
         tried = tried or set()
-        worker = self.placement.pick_decode(req.model, need, tried | self._silent())
+        worker = self.placement.pick_decode(
+            req.model, need, tried | self._silent(), req.prompt_token_ids
+        )
         if worker is None:
             if self._can_queue(req.model):
                 # the pool is full for now: wait for blocks to come back, oldest first
@@ -242,7 +245,7 @@ class Coordinator(Recovery):
         silent = self._silent()
         for route in [r for r in self.routes.values() if r.state == "queued"]:
             req = route.request
-            worker = self.placement.pick_decode(req.model, route.need, silent)
+            worker = self.placement.pick_decode(req.model, route.need, silent, req.prompt_token_ids)
             if worker is None:
                 return  # first come, first served: no later, smaller one jumps the queue
             route.state, route.decode, route.since = "reserving", worker.worker_id, self._now

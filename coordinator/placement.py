@@ -13,15 +13,18 @@ long as its hit outweighs that worker's queue. When the winner's queue is more t
 ``hot_spot_tokens`` longer than the shortest one, the shortest queue takes the request instead
 (and caches the prefix too, so the next ones spread by cost alone).
 
-Decode cost, the lowest wins: ``(blocks to move, -free blocks, running)``. Every decode worker
-is sent the whole prompt's KV today, so blocks to move is the same everywhere and load decides
-(the most free blocks, then the fewest running); once a decode worker reserves only what its
-own cache lacks, it becomes ``need - hit(w)`` (with a guard like the prefill one).
+Decode cost, the lowest wins: ``(blocks to move, -free blocks, running)``, where blocks to
+move is ``need - hit(w)``: a decode worker reserves the prompt blocks its own cache holds
+instead of receiving them (``engine.reserve_prompt``), so a conversation's next turn goes back
+to the worker holding its history. Guard: when that worker runs more than
+``DECODE_HOT_SPOT_STREAMS`` streams beyond the least busy one, load decides instead.
 
 Prefill placements by reason, in ``decisions`` (the coordinator adds them to its own in
 ``pdserve_routing_decisions_total``): ``prefill_kv_hit`` (the winner holds some of the prompt),
 ``prefill_kv_miss`` (it holds none: no worker does, or the ones that do are busier by more than
-their hit), ``prefill_hot_spot_guard``, ``prefill_load``, ``prefill_round_robin``.
+their hit), ``prefill_hot_spot_guard``, ``prefill_load``, ``prefill_round_robin``; decode
+placements by cache in ``decode_decisions``: ``decode_kv_hit``, ``decode_kv_miss``,
+``decode_hot_spot_guard``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from protocol.prefix import cacheable_hashes
 
 ROUTING_MODES = ("kv", "load", "round-robin")
 HOT_SPOT_TOKENS = 2048  # default guard: queued prompt tokens beyond the shortest queue
+DECODE_HOT_SPOT_STREAMS = 16  # decode guard: running streams beyond the least busy worker
 
 
 class Placement:
@@ -51,6 +55,7 @@ class Placement:
             )
         self.registry = registry
         self.decisions: Counter[str] = Counter()  # prefill placements by reason
+        self.decode_decisions: Counter[str] = Counter()  # decode placements by cache
         self.mode = mode
         self.hot_spot_tokens = hot_spot_tokens
         self._last: dict[tuple[str, str], str] = {}  # (model, pool) -> last worker in turn
@@ -78,9 +83,16 @@ class Placement:
         best.queued_prompt_tokens += compute
         return best
 
-    def pick_decode(self, model: str, need_blocks: int, avoid: Collection[str]) -> Worker | None:
-        """A decode worker with ``need_blocks`` free (none of ``avoid``); its free-block
-        estimate drops by them, until its next heartbeat or ``Reserved``."""
+    def pick_decode(
+        self,
+        model: str,
+        need_blocks: int,
+        avoid: Collection[str],
+        prompt: list[int] | None = None,
+    ) -> Worker | None:
+        """A decode worker with ``need_blocks`` free (none of ``avoid``), the one holding most
+        of ``prompt`` when given (``kv``); its free-block estimate drops by them, until its
+        next heartbeat or ``Reserved``."""
         pool = [
             w
             for w in self.registry.workers.values()
@@ -94,9 +106,25 @@ class Placement:
             return None
         if self.mode == "round-robin":
             best = self._in_turn(model, "decode", pool)
+        elif self.mode == "kv" and prompt is not None and self.registry.kv.holders:
+            best = self._decode_by_cache(prompt, need_blocks, pool)
         else:
             best = min(pool, key=lambda w: decode_cost(w, blocks_to_move=need_blocks))
         best.free_blocks -= need_blocks
+        return best
+
+    def _decode_by_cache(self, prompt: list[int], need: int, pool: list[Worker]) -> Worker:
+        hashes = cacheable_hashes(prompt, pool[0].info.layout.block_size)
+        hits = self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])
+        best = min(pool, key=lambda w: decode_cost(w, need - hits[w.worker_id]))
+        if hits[best.worker_id] == 0:
+            self.decode_decisions["decode_kv_miss"] += 1
+            return best
+        idle = min(pool, key=lambda w: decode_cost(w, need))
+        if best.running > idle.running + DECODE_HOT_SPOT_STREAMS:
+            self.decode_decisions["decode_hot_spot_guard"] += 1
+            return idle
+        self.decode_decisions["decode_kv_hit"] += 1
         return best
 
     def _by_cache(self, prompt: list[int], pool: list[Worker]) -> tuple[Worker, str, int]:

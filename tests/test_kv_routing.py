@@ -243,3 +243,32 @@ def test_served_cluster_routes_a_repeated_prompt_to_its_cache(tiny_dir) -> None:
         assert 'pdserve_routing_decisions_total{reason="prefill_kv_hit"} 1.0' in text
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("routing", ["kv", "round-robin"])
+def test_a_next_turn_goes_back_to_the_decode_worker_holding_its_history(
+    cluster_factory, tiny_dir, routing
+) -> None:
+    """With ``kv`` a conversation's second turn reserves on the decode worker whose cache holds
+    the first turn (prompt and answer), which then receives only the new blocks."""
+    cluster = cluster_factory(num_d=2, routing=routing)
+    first = prompts(512, [21], seed=70)[0]
+    cluster.submit("turn1", first, SPEC)
+    turn1 = sent_to(cluster)[m.Reserve]
+    answer = cluster.tokens("turn1")[0]
+    cluster.heartbeats()  # KVEvents: the decode worker's cache now holds turn 1
+    sent_before = sum(w.blocks_sent for w in cluster.workers.values() if hasattr(w, "sender"))
+    second = first + answer + prompts(512, [10], seed=71)[0]  # 37 tokens: 10 blocks
+    cluster.submit("turn2", second, SPEC)
+    turn2 = sent_to(cluster)[m.Reserve]
+    moved = sum(w.blocks_sent for w in cluster.workers.values() if hasattr(w, "sender"))
+    assert cluster.tokens("turn2") == {0: hf_greedy(tiny_dir, second, 6)}
+    if routing == "kv":  # 26 of turn 1's 27 tokens have KV on that worker: 6 full blocks
+        assert turn2 == turn1
+        assert moved - sent_before == 10 - 6
+        # turn 1 was placed by load: nothing was cached anywhere yet
+        assert cluster.coordinator.placement.decode_decisions == {"decode_kv_hit": 1}
+    else:
+        assert turn2 != turn1
+        assert moved - sent_before == 10
+    assert set(cluster.used_blocks().values()) == {0}
