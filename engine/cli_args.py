@@ -49,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps"
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU: run decode steps through torch.compile (needs g++; the graphs are built "
+        "at start-up, minutes on a small CPU)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -65,6 +71,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         threads=args.threads,
         enforce_eager=args.enforce_eager,
+        compile=args.compile,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -211,6 +211,7 @@ class EngineConfig:
     seed: int = 0
     threads: int | None = None
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
+    compile: bool = False  # CPU: decode steps through torch.compile (engine/compile.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -223,3 +224,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.cpu_linear not in ("auto", "onednn", "torch"):
             raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
+        if self.compile and not self.device.startswith("cpu"):
+            raise ConfigError(
+                f"compile is for CPU decode steps (CUDA ones use CUDA graphs), "
+                f"device is {self.device!r}"
+            )

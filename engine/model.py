@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one call, the same float32 arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # computed in float32, as transformers does, whatever the model dtype
         dtype = x.dtype
         x = x.float()
@@ -40,7 +42,7 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -50,19 +52,22 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, E]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [T, 1, D]
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
+        t, h = qkv.shape[0], self.num_heads
+        qk = qkv[:, : self.qk_size].view(t, -1, self.head_dim)  # [T, H + KV, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, *rope)  # query and key heads at once
+        q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KV, D]: views, strided when T > 1
+        v = qkv[:, self.qk_size :].view(t, -1, self.head_dim)  # [T, KV, D]
+        if not backend.strided_inputs:
+            q, k = q.contiguous(), k.contiguous()
         out = backend.forward(q, k, v, kv_cache, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(t, -1))
 
 
 class MLP(nn.Module):
@@ -91,8 +96,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is this step's own tensor (the embedding lookup's output): residuals add in place
+        x += self.self_attn(self.input_layernorm(x), rope, kv_cache, backend)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class CausalLM(nn.Module):
@@ -116,6 +123,17 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, E]
+        return self.hidden_states(input_ids, positions, kv_caches, backend)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``forward`` under the caller's grad mode: torch.compile traces this one under
+        ``no_grad`` (inference mode made its view of the KV cache fail; engine/compile.py)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

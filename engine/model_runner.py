@@ -7,6 +7,7 @@ the last position of every sequence whose tokens are then all computed (the ones
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +23,55 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepInputs:
+    """One step's inputs; the tensors are views of ``StepBuffers``, valid until the next
+    ``prepare``."""
+
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     logits_rows: list[int]  # index into the token batch of each row to sample
     sample_seqs: list[Sequence]
+    logits_index: torch.Tensor  # [len(logits_rows)]: logits_rows on the device
+
+
+class StepBuffers:
+    """Step inputs live in tensors kept across steps: each step writes its ids, positions,
+    slots and logits rows into one int64 host tensor (through a numpy view, no tensor built
+    per list) and hands out views of it; a GPU runner copies it over in one transfer::
+
+            host (pinned on CUDA)  [ ids: T | positions: T | slots: T | logits rows: N ]
+                                    └─ one copy_ ─▶ the same layout on the device
+
+    Grown (doubled) when a step needs more room."""
+
+    def __init__(self, device: torch.device, capacity: int = 1024) -> None:
+        self.device = device
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self.capacity = capacity
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=torch.long, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.dev = self.host if self.device.type == "cpu" else self.host.to(self.device)
+
+    def load(
+        self, ids: list[int], positions: list[int], slots: list[int], rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, n = len(ids), len(rows)
+        end = 3 * t + n
+        if end > self.capacity:
+            self._grow(max(2 * self.capacity, end))
+        host = self.host_np
+        host[:t] = ids
+        host[t : 2 * t] = positions
+        host[2 * t : 3 * t] = slots
+        host[3 * t : end] = rows
+        if self.dev is not self.host:
+            # blocking: the next step rewrites the host tensor
+            self.dev[:end].copy_(self.host[:end])
+        d = self.dev
+        return d[:t], d[t : 2 * t], d[2 * t : 3 * t], d[3 * t : end]
 
 
 class ModelRunner:
@@ -38,6 +83,10 @@ class ModelRunner:
         self.linear = self._pack_linears(config.cpu_linear)
         self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
         self.backend = make_backend(config.attention_backend, self.device)
+        self.buffers = StepBuffers(self.device)
+        self.compiled = None  # CPU, --compile: decode steps through torch.compile
+        if config.compile:
+            self._compile_decode()
         self.graphs = None  # CUDA only: captured decode steps (engine/cuda_graphs.py)
         if self.device.type == "cuda":
             from engine.cuda_graphs import maybe_capture
@@ -76,49 +125,57 @@ class ModelRunner:
             self.model.tied_head = packed_head(self.model.embed_tokens.weight)
         return "onednn"
 
+    def _compile_decode(self) -> None:
+        """Build the compiled decode graphs now, through ``execute``: one for batch 1, one for
+        every larger batch (dynamic shapes). The dummy steps write block 0, free at start."""
+        from engine.compile import CompiledDecode
+
+        self.compiled = CompiledDecode(self.model, self.kv_cache.layers)
+        start = time.perf_counter()
+        for batch in (1, 2):
+            ids, pos, slots, _ = self.buffers.load([0] * batch, [0] * batch, [0] * batch, [])
+            bs = self.kv_cache.block_size
+            with torch.inference_mode():  # as in execute: the plan's tensors are made there
+                self.backend.plan(
+                    AttentionMetadata(slots, [1] * batch, [1] * batch, [[0]] * batch, bs)
+                )
+                if self.compiled.run(ids, pos, self.backend) is None:
+                    raise RuntimeError(f"{self.backend.name} backend gave no step to compile")
+        seconds = time.perf_counter() - start
+        logger.info("torch.compile: decode graphs (batch 1, batch 2+) built in %.0f s", seconds)
+
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
         bs = self.kv_cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        num_tokens = 0
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + n
+            num_tokens += n
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(table)
             if end == seq.num_tokens:  # all tokens computed: the last one's logits are needed
-                logits_rows.append(query_start[-1] - 1)
+                logits_rows.append(num_tokens - 1)
                 sample_seqs.append(seq)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        dev = self.device
+        ids, pos, slot_mapping, rows = self.buffers.load(input_ids, positions, slots, logits_rows)
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping,
             query_lens_cpu=list(num_new_tokens),
             seq_lens_cpu=seq_lens,
-            block_tables_cpu=[list(t) for t in tables],
+            block_tables_cpu=tables,
             block_size=bs,
         )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            metadata=metadata,
-            logits_rows=logits_rows,
-            sample_seqs=sample_seqs,
-        )
+        return StepInputs(ids, pos, metadata, logits_rows, sample_seqs, rows)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
@@ -127,7 +184,10 @@ class ModelRunner:
             hidden = self.graphs.run(inputs)
         else:
             self.backend.plan(inputs.metadata)
-            layers = self.kv_cache.layers
-            hidden = self.model(inputs.input_ids, inputs.positions, layers, self.backend)
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+            hidden = None
+            if self.compiled is not None:
+                hidden = self.compiled.run(inputs.input_ids, inputs.positions, self.backend)
+            if hidden is None:
+                layers = self.kv_cache.layers
+                hidden = self.model(inputs.input_ids, inputs.positions, layers, self.backend)
+        return self.model.compute_logits(hidden[inputs.logits_index])

@@ -1,7 +1,9 @@
 """Rotary position embeddings: inverse frequencies (default, linear, llama3) and a cos/sin cache.
 
 Matches Hugging Face's ``rotate_half`` convention: the head dimension is split in two halves
-(not interleaved pairs).
+(not interleaved pairs). The cached sine has its first half negated, so that
+``rotate_half(x) * sin == x.roll(D // 2) * sin_signed``: three tensor ops per call instead of
+seven (a slice, a negation and a ``cat`` made ``rotate_half``), for query and key heads at once.
 """
 
 from __future__ import annotations
@@ -40,27 +42,31 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Holds cos/sin (float32) for every position below ``max_positions``."""
+    """Holds cos and signed sin (float32) for every position below ``max_positions``."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()  # rotate_half's sign, folded in (see apply_rotary)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin_signed", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for each position, [T, 1, D] in ``dtype``; computed once per step."""
+        """cos and signed sin for each position, [T, 1, D] in ``dtype``; once per step."""
         return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
+            self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
+            self.sin_signed.index_select(0, positions).unsqueeze(1).to(dtype),
         )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, 1, D]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin``. x: [T, heads, D]; cos/sin_signed: [T, 1, D].
+
+    ``rotate_half(x) = cat(-x2, x1)`` equals ``roll(x, D/2) = cat(x2, x1)`` with the sign moved
+    into ``sin_signed``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)

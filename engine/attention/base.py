@@ -25,15 +25,17 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    query_start_loc: torch.Tensor  # [B + 1] int32 on device
-    seq_lens: torch.Tensor  # [B] int32 on device: context length including new tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32 on device, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 on device
-    # Host copies: backends plan from these without a device sync.
+    # Host lists: backends plan from these without a device sync.
     query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int]  # context length including new tokens
     block_tables_cpu: list[list[int]]
     block_size: int
+    # Device forms of the lists, for a backend that wants them; none does yet, so the model
+    # runner leaves them out (building them cost a padded copy of every block table a step).
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, padded with 0
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +50,9 @@ class AttentionBackend(ABC):
     """One instance per model runner; ``plan`` once per step, ``forward`` once per layer."""
 
     name: str = "abstract"
+    # whether ``forward`` takes q and k as strided views of the fused QKV projection (rows
+    # (H + 2 * KV) * D apart); backends that do not get contiguous copies
+    strided_inputs: bool = False
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:

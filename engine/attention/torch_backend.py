@@ -7,6 +7,12 @@ buffers kept from step to step (a fresh multi-megabyte tensor per layer per step
 page faults than the copy itself), then two ``bmm`` read the gathered blocks in place. Measured on
 SmolLM2-135M at 32 streams of ~270 tokens, one core: SDPA over a transposed copy spent 55% of
 the step in attention (gather, transposing copy, SDPA's masked kernel).
+
+Per-step work is planned once and shared by every layer: the cache positions of the new K/V
+(``KVSlots``) and, for decode rows, the gather index and padding bias. A step of decode rows
+only, in one group, reads q and returns the output with no gather or scatter of rows; its
+attention is plain functions of tensors (``write_kv_slots``, ``decode_attention``), which is
+what a compiled decode step calls (engine/compile.py).
 """
 
 from __future__ import annotations
@@ -17,7 +23,52 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVSlots:
+    """Where each new token's K and V go: ``kv_cache[blocks, sel, offsets]`` (sel 0 = K)."""
+
+    blocks: torch.Tensor  # [T] block id
+    offsets: torch.Tensor  # [T] row within the block
+    k_sel: torch.Tensor  # [T] zeros
+    v_sel: torch.Tensor  # [T] ones
+
+    @classmethod
+    def from_slots(cls, slots: torch.Tensor, block_size: int) -> KVSlots:
+        blocks = slots // block_size
+        return cls(blocks, slots % block_size, torch.zeros_like(slots), torch.ones_like(slots))
+
+
+def write_kv_slots(
+    kv_cache: torch.Tensor, slots: KVSlots, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Two ``index_put_`` a layer (k, v: [T, KV, D], strided views welcome). torch.compile
+    keeps these in place; a write through a view of the cache became a copy of all of it."""
+    kv_cache.index_put_((slots.blocks, slots.k_sel, slots.offsets), k.to(kv_cache.dtype))
+    kv_cache.index_put_((slots.blocks, slots.v_sel, slots.offsets), v.to(kv_cache.dtype))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [Bd, H, D], one query row per sequence
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D]
+    index: torch.Tensor,  # [2 * Bd * KV * L] cache rows of D values: K, then V
+    bias: torch.Tensor,  # [Bd * KV, 1, L]: 0 to attend, -inf past a sequence's end
+    scale: float,
+    out: torch.Tensor | None = None,  # [2 * Bd * KV * L, D]: where the gather goes
+) -> torch.Tensor:  # [Bd, H, D]
+    """One gather, two bmm. ``index`` names, for every sequence, KV head and position, the
+    cache row holding its K (then V), so one ``index_select`` writes them straight into
+    [2, Bd * KV, L, D]: a plain batch of matrices. (SDPA needed [Bd, KV, L, D] from a block
+    gather plus a transposing copy, and its masked kernel was slower than two bmm here.)"""
+    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+    nb = q.shape[0]
+    kv = torch.index_select(kv_cache.view(-1, dim), 0, index, out=out)
+    kv = kv.view(2, nb * heads, -1, dim).to(q.dtype)  # [2, Bd * KV, L, D]
+    qg = q.reshape(nb * heads, -1, dim)  # [Bd * KV, G, D]: the query heads sharing a KV head
+    scores = torch.baddbmm(bias.to(q.dtype), qg, kv[0].transpose(1, 2), alpha=scale)
+    return torch.bmm(scores.softmax(dim=-1), kv[1]).view(nb, -1, dim)
 
 
 @dataclass
@@ -75,16 +126,20 @@ class _Workspace:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    strided_inputs = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._work = _Workspace(device)
-        self._meta: AttentionMetadata | None = None
+        self._slots: KVSlots | None = None
+        self._block_size = 0
         self._prefills: list[_PrefillItem] = []
         self._decode: list[_DecodeGroup] = []
+        self._decode_only = False
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        self._meta = metadata
+        self._slots = KVSlots.from_slots(metadata.slot_mapping, metadata.block_size)
+        self._block_size = metadata.block_size
         self._prefills = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
@@ -113,6 +168,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self._prefills.append(_PrefillItem(start, start + q_len, blocks, seq_len, mask))
             start += q_len
         order = sorted(range(len(decode_rows)), key=lambda i: len(decode_tables[i]))
+        # rows in step order within each group (see _decode_only)
         self._decode = [
             self._decode_group(
                 [decode_rows[i] for i in group],
@@ -120,8 +176,9 @@ class TorchAttentionBackend(AttentionBackend):
                 [decode_lens[i] for i in group],
                 bs,
             )
-            for group in _buckets(order, [len(t) for t in decode_tables])
+            for group in map(sorted, _buckets(order, [len(t) for t in decode_tables]))
         ]
+        self._decode_only = not self._prefills and len(self._decode) == 1
 
     def _decode_group(
         self, rows: list[int], tables: list[list[int]], lens: list[int], bs: int
@@ -147,9 +204,11 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        if self._meta is None:
+        if self._slots is None:
             raise RuntimeError("plan() must run before forward()")
-        write_kv(kv_cache, self._meta.slot_mapping, k, v)
+        write_kv_slots(kv_cache, self._slots, k, v)
+        if self._decode_only:  # rows 0..T-1 in order: no gather or scatter of q rows
+            return self._decode_attention(q, kv_cache, self._decode[0], scale)
         out = torch.empty_like(q)
         for item in self._prefills:
             kc, vc = _gather(kv_cache, item.blocks, item.seq_len)  # [L, KV, D]
@@ -168,25 +227,21 @@ class TorchAttentionBackend(AttentionBackend):
             out[group.rows] = self._decode_attention(q[group.rows], kv_cache, group, scale)
         return out
 
+    def decode_step(self, heads: int) -> tuple[KVSlots, torch.Tensor, torch.Tensor] | None:
+        """A planned step of decode rows only, in one group, as tensors alone: (slots, gather
+        index, bias) for ``decode_attention``; None for any other step."""
+        if self._slots is None or not self._decode_only:
+            return None
+        group = self._decode[0]
+        index, bias = group.gather_plan(heads, self._block_size)
+        return self._slots, index, bias
+
     def _decode_attention(
         self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
     ) -> torch.Tensor:  # q: [Bd, H, D] -> [Bd, H, D]
-        """One query row per sequence against its blocks: one gather, two bmm.
-
-        The cache is read as rows of D values; ``group.row_index`` names, for every sequence,
-        KV head and position, the row holding its K (then V), so one ``index_select`` writes
-        them straight into [2, Bd * KV, max_len, D]: a plain batch of matrices. (SDPA needed
-        [Bd, KV, L, D] from a block gather plus a transposing copy, and its masked kernel was
-        slower than two bmm here.)"""
-        _, _, bs, heads, dim = kv_cache.shape
-        nb, per_kv = group.blocks.shape[0], q.shape[1] // heads
-        index, bias = group.gather_plan(heads, bs)
-        kv = self._work.take("kv", (index.numel(), dim), kv_cache.dtype)
-        torch.index_select(kv_cache.view(-1, dim), 0, index, out=kv)
-        kv = kv.view(2, nb * heads, group.max_len, dim).to(q.dtype)  # [2, Bd * KV, L, D]
-        qg = q.reshape(nb * heads, per_kv, dim)  # the G query heads sharing each KV head
-        scores = torch.baddbmm(bias.to(q.dtype), qg, kv[0].transpose(1, 2), alpha=scale)
-        return torch.bmm(scores.softmax(dim=-1), kv[1]).view(nb, -1, dim)  # [Bd, H, D]
+        index, bias = group.gather_plan(kv_cache.shape[3], kv_cache.shape[2])
+        kv = self._work.take("kv", (index.numel(), kv_cache.shape[4]), kv_cache.dtype)
+        return decode_attention(q, kv_cache, index, bias, scale, out=kv)
 
 
 def _buckets(order: list[int], num_blocks: list[int]) -> list[list[int]]:
