@@ -161,29 +161,34 @@ class Coordinator(Recovery):
         if req.resume_choice is not None:
             self._resume(req)
             return
-        for choice in range(req.n):
-            if not reg.disaggregated(req.model):
-                self.decisions["colocated"] += 1
-                self._run_colocated(req, choice)
-            elif not self._prefill_on_decode(req, choice) and not self._reserve(req, choice):
-                return
+        # the n choices go as one: one prefill, forked where they decode (DESIGN.md)
+        if not reg.disaggregated(req.model):
+            self.decisions["colocated"] += req.n
+            self._run_colocated(req)
+        elif not self._prefill_on_decode(req):
+            self._reserve(req, 0)
 
-    def _prefill_on_decode(self, req: m.Generate, choice: int) -> bool:
-        """Conditional disaggregation: whether this choice went to a decode worker to prefill
+    def _prefill_on_decode(self, req: m.Generate) -> bool:
+        """Conditional disaggregation: whether the request went to a decode worker to prefill
         itself (short prompt, or a busy prefill pool) rather than through a transfer."""
         reason = self._local_reason(req)
         if reason is None:
-            self.decisions["disaggregated"] += 1
+            self.decisions["disaggregated"] += req.n
             return False
-        need = -(-(len(req.prompt_token_ids) + 1) // self._block_size(req.model))
+        need = self._blocks_for(req, req.n)
         worker = self.placement.pick_decode(req.model, need, self._silent(), req.prompt_token_ids)
         if worker is None:  # no room anywhere now: the usual path queues it
-            self.decisions["disaggregated"] += 1
+            self.decisions["disaggregated"] += req.n
             return False
-        self.decisions[reason] += 1
-        self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, choice))
-        self._run_local(req, choice, worker.worker_id)
+        self.decisions[reason] += req.n
+        self._run_local(req, worker.worker_id)
         return True
+
+    def _blocks_for(self, req: m.Generate, choices: int) -> int:
+        """Decode blocks ``choices`` forked choices start with: the prompt's and token 0's,
+        and one more each past the first (engine/fork.py ``fork_blocks_needed``)."""
+        bs = self._block_size(req.model)
+        return -(-(len(req.prompt_token_ids) + 1) // bs) + choices - 1
 
     def _local_reason(self, req: m.Generate) -> str | None:
         if 0 < len(req.prompt_token_ids) <= self.max_local_prefill_tokens:
@@ -198,9 +203,10 @@ class Coordinator(Recovery):
         self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""
     ) -> bool:
         """Ask the decode worker with the most room (none of ``tried``, none silent) to hold
-        blocks for this choice; ``why`` the last one did not."""
-        bs = self._block_size(req.model)
-        need = -(-(len(req.prompt_token_ids) + 1) // bs)
+        blocks for this choice (choice 0: for every choice of the request, which go as one);
+        ``why`` the last one did not."""
+        choices = req.n if choice == 0 else 1
+        need = self._blocks_for(req, choices)
         tried = tried or set()
         worker = self.placement.pick_decode(
             req.model, need, tried | self._silent(), req.prompt_token_ids
@@ -209,6 +215,7 @@ class Coordinator(Recovery):
             if self._can_queue(req.model):
                 # the pool is full for now: wait for blocks to come back, oldest first
                 route = Route(req, choice, "queued", since=self._now, need=need)
+                route.choices = choices
                 self.routes.add(route)
                 logger.info("request %s#%d: queued (%s)", req.request_id, choice, why or "full")
                 return True
@@ -217,7 +224,7 @@ class Coordinator(Recovery):
             self._fail(key, 503, f"{why}; {message}" if why else message, req)
             return False
         route = Route(req, choice, "reserving", decode=worker.worker_id, since=self._now)
-        route.need, route.tried = need, tried
+        route.need, route.tried, route.choices = need, tried, choices
         self.routes.add(route)
         self._send_reserve(route)
         return True
@@ -231,6 +238,7 @@ class Coordinator(Recovery):
             req.n,
             req.stream_address,
             route.choice,
+            route.choices,
         )
         self._send(route.decode, msg)
 
@@ -268,21 +276,25 @@ class Coordinator(Recovery):
             worker.worker_id,
             len(req.resume_token_ids),
         )
-        self._run_local(req, choice, worker.worker_id, list(req.resume_token_ids))
+        self._run_local(req, worker.worker_id, choice, list(req.resume_token_ids))
 
-    def _run_colocated(self, req: m.Generate, choice: int) -> None:
+    def _run_colocated(self, req: m.Generate) -> None:
         worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))
         if worker is None:
             self._error_to(req, 503, f"model {req.model} has no worker")
             return
-        self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, choice))
-        self._run_local(req, choice, worker.worker_id)
+        self._run_local(req, worker.worker_id)
 
     def _run_local(
-        self, req: m.Generate, choice: int, worker_id: str, generated: list[int] | None = None
+        self, req: m.Generate, worker_id: str, choice: int = 0, generated: list[int] | None = None
     ) -> None:
-        """One worker runs both phases of this choice (no transfer), after ``generated``."""
-        self.routes.add(Route(req, choice, "local", decode=worker_id, prefill=worker_id))
+        """One worker runs both phases (no transfer): of every choice, prefilled once and
+        forked there; or, ``generated`` given, of ``choice`` alone after those tokens."""
+        members = [choice] if generated is not None else list(range(req.n))
+        for c in members:
+            self.routes.add(Route(req, c, "local", decode=worker_id, prefill=worker_id))
+            if generated is None:  # a resumed choice's gateway knows it is accepted
+                self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, c))
         job = m.PrefillJob(
             req.request_id,
             req.prompt_token_ids,
@@ -294,6 +306,7 @@ class Coordinator(Recovery):
             req.stream_address,
             choice,
             generated or [],
+            choices=len(members),
         )
         self._send(worker_id, job)
 
@@ -320,7 +333,8 @@ class Coordinator(Recovery):
             self._fail(key, 503, f"model {req.model} has no prefill worker")
             return
         route.state, route.prefill, route.since = "prefilling", prefill.worker_id, self._now
-        self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, msg.choice))
+        for c in route.members():
+            self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, c))
         route.job = m.PrefillJob(
             req.request_id,
             req.prompt_token_ids,
@@ -333,24 +347,36 @@ class Coordinator(Recovery):
             msg.choice,
             transfer_secret=msg.transfer_secret,
             skip_blocks=msg.cached_blocks,
+            choices=route.choices,
         )
         self._send(prefill.worker_id, route.job)
 
     def _transfer_done(self, msg: m.TransferDone, now: float) -> None:
-        route = self.routes.get((msg.request_id, msg.choice))
-        if route is None or route.state != "prefilling":
-            return
-        route.state = "decoding"
-        self._send(route.decode, msg)
-
-    def _finished(self, msg: m.Finished, now: float) -> None:
         key = (msg.request_id, msg.choice)
         route = self.routes.get(key)
+        if route is None or route.state != "prefilling":
+            return
+        ended = route.ended | set(msg.ended)
+        self.routes.pop(key)
+        for c in route.members():  # from here on each choice goes its own way
+            if c not in ended:
+                self.routes.add(
+                    Route(route.request, c, "decoding", route.decode, route.prefill, since=now)
+                )
+        self._send(route.decode, dataclasses.replace(msg, ended=sorted(ended)))
+
+    def _finished(self, msg: m.Finished, now: float) -> None:
+        route = self.routes.covering(msg.request_id, msg.choice)
         if route is None:
             return
+        key = (msg.request_id, route.choice)
         if route.state == "prefilling" and msg.worker_id == route.prefill:
-            # token 0 ended the choice: the decode worker's reservation is not needed
-            self._send(route.decode, m.Abort(msg.request_id, "finished at token 0", msg.choice))
+            # token 0 ended the choice: it does not decode (``TransferDone.ended`` says so
+            # too); once every choice has, the decode worker's reservation is not needed
+            route.ended.add(msg.choice)
+            if len(route.ended) < route.choices:
+                return
+            self._send(route.decode, m.Abort(msg.request_id, "finished at token 0", route.choice))
         self.routes.pop(key)
 
     def _abort(self, msg: m.Abort, now: float) -> None:

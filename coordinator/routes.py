@@ -21,6 +21,13 @@ class Route:
     since: float = 0.0  # when it entered its state (queued, reserving, prefilling time out)
     need: int = 0  # decode blocks asked for while reserving
     tried: set[str] = field(default_factory=set)  # workers that refused or never answered
+    # choices ``choice .. choice + choices - 1`` go as one until they decode: one reservation,
+    # one prefill, one transfer (``TransferDone`` splits them into a route each)
+    choices: int = 1
+    ended: set[int] = field(default_factory=set)  # of those, the ones token 0 ended
+
+    def members(self) -> range:
+        return range(self.choice, self.choice + self.choices)
 
 
 class RouteTable(Mapping[Key, Route]):
@@ -48,6 +55,14 @@ class RouteTable(Mapping[Key, Route]):
         """The live keys of one request: every choice, or just ``choice``."""
         choices = self._choices.get(request_id, ())
         return [(request_id, c) for c in sorted(choices) if choice in (None, c)]
+
+    def covering(self, request_id: str, choice: int) -> Route | None:
+        """The route of ``choice``: its own, or that of the choices it goes with."""
+        for c in sorted(self._choices.get(request_id, ()), reverse=True):
+            if c <= choice:
+                route = self._routes[(request_id, c)]
+                return route if choice in route.members() else None
+        return None
 
     def __getitem__(self, key: Key) -> Route:
         return self._routes[key]

@@ -27,6 +27,7 @@ from engine.wire import (
     TokenBatcher,
     engine_key,
     engine_logprob,
+    prompt_key,
     sampling_params,
     wire_logprobs,
 )
@@ -38,16 +39,32 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Choice:
+    """One choice; until it decodes, the ``choices`` from it on that share its reservation
+    (one prompt moved here, forked into each when the KV has landed)."""
+
     request_id: str
     choice: int
     prompt_token_ids: list[int]
     sampling: m.SamplingSpec
     stream_address: str
-    first_token: int | None = None
+    choices: int = 1
+    first_tokens: list[int] = field(default_factory=list)  # token 0 of each
     reserved_at: float = field(default_factory=time.monotonic)
-    first_logprob: m.TokenLogprob | None = None
+    first_logprobs: list[m.TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
     num_local_cached_tokens: int = 0  # prompt tokens whose KV this worker held already
+    dropped: set[int] = field(default_factory=set)  # choices not to decode (ended, aborted)
+
+    def going(self) -> list[int]:
+        """The choices that decode here, in order."""
+        members = range(self.choice, self.choice + self.choices)
+        return [c for c in members if c not in self.dropped]
+
+    def one(self, choice: int) -> Choice:
+        """Choice ``choice`` of these on its own, as it runs."""
+        return Choice(
+            self.request_id, choice, self.prompt_token_ids, self.sampling, self.stream_address
+        )
 
 
 class DecodeWorker:
@@ -95,12 +112,17 @@ class DecodeWorker:
             return
         key = engine_key(msg.request_id, msg.choice)
         choice = Choice(
-            msg.request_id, msg.choice, msg.prompt_token_ids, msg.sampling, msg.stream_address
+            msg.request_id,
+            msg.choice,
+            msg.prompt_token_ids,
+            msg.sampling,
+            msg.stream_address,
+            max(msg.choices, 1),
         )
         try:
             self.engine.check_prompt(msg.prompt_token_ids, sampling_params(msg.sampling))
             # leading blocks this worker's prefix cache holds are shared, not moved again
-            ids, cached = self.engine.reserve_prompt(key, msg.prompt_token_ids)
+            ids, cached = self.engine.reserve_prompt(key, msg.prompt_token_ids, choice.choices)
         except (ValueError, NoFreeBlocks) as e:
             self.outbox.to_coordinator(self._reserved(msg, [], str(e)))
             return
@@ -141,9 +163,15 @@ class DecodeWorker:
         if choice is None:
             logger.warning("transfer done for unknown request %s", key)
             return
-        choice.first_token = msg.first_token_ids[0]
-        choice.first_logprob = msg.first_logprobs[0] if msg.first_logprobs else None
+        choice.first_tokens = list(msg.first_token_ids)
+        choice.first_logprobs = msg.first_logprobs
         choice.num_cached_tokens = msg.num_cached_tokens
+        choice.dropped.update(msg.ended)
+        lps = choice.first_logprobs
+        if len(choice.first_tokens) != choice.choices or (lps and len(lps) != choice.choices):
+            self._drop_pending(key)
+            self._fail(choice, 500, f"token 0 of {choice.choices} choices expected, not so many")
+            return
         if msg.error is not None:
             if self.receiver is not None:
                 self.receiver.release(key)
@@ -152,34 +180,60 @@ class DecodeWorker:
         self.receiving[key] = choice
 
     def _run_locally(self, msg: m.PrefillJob) -> None:
-        key = engine_key(msg.request_id, msg.choice)
+        """No transfer: the prompt runs here, once for all its choices, each forked from it
+        (engine/fork.py); or one choice continues after the tokens it streamed elsewhere."""
         choice = Choice(
-            msg.request_id, msg.choice, msg.prompt_token_ids, msg.sampling, msg.stream_address
+            msg.request_id,
+            msg.choice,
+            msg.prompt_token_ids,
+            msg.sampling,
+            msg.stream_address,
+            max(msg.choices, 1),
         )
         if self.draining:
             self._fail(choice, 503, "worker is draining")
             return
-        params = sampling_params(msg.sampling, msg.choice)
+        keys = {c: engine_key(msg.request_id, c) for c in choice.going()}
+        params = [sampling_params(msg.sampling, c) for c in keys]
         try:
             if msg.generated_token_ids:  # a stream moving here from a dead worker
                 self.engine.add_continuation(
-                    key, msg.prompt_token_ids, msg.generated_token_ids, params
+                    keys[msg.choice], msg.prompt_token_ids, msg.generated_token_ids, params[0]
                 )
+            elif len(keys) == 1:
+                self.engine.add_request(keys[msg.choice], msg.prompt_token_ids, params[0])
             else:
-                self.engine.add_request(key, msg.prompt_token_ids, params)
+                prompt_id = prompt_key(msg.request_id, msg.choice)
+                ids = list(keys.values())
+                self.engine.add_request_n(prompt_id, ids, msg.prompt_token_ids, params)
         except ValueError as e:
             self._fail(choice, 400, str(e))
             return
-        self.running[key] = choice
+        for c, key in keys.items():
+            self.running[key] = choice.one(c)
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
-        """One choice (or every one) of the request, whatever its state; blocks freed now."""
-        for table in (self.reserved, self.receiving, self.running):
-            for key in [k for k, c in table.items() if _matches(c, request_id, choice)]:
-                del table[key]
-                self.engine.abort(key)
-                if self.receiver is not None:
-                    self.receiver.release(key)
+        """One choice (or every one) of the request, whatever its state; blocks freed now.
+        A choice that shares a reservation it does not lead is only kept from decoding."""
+        for table in (self.reserved, self.receiving):
+            for key, c in list(table.items()):
+                if c.request_id != request_id:
+                    continue
+                if choice is not None and choice != c.choice and choice in c.going():
+                    c.dropped.add(choice)
+                if choice in (None, c.choice) or not c.going():
+                    self._drop_pending(key)
+        for key in [k for k, c in self.running.items() if _matches(c, request_id, choice)]:
+            del self.running[key]
+            self.engine.abort(key)
+
+    def _drop_pending(self, key: str) -> None:
+        """A reservation, with whatever is arriving into it, given up: blocks freed now."""
+        self.reserved.pop(key, None)
+        self.receiving.pop(key, None)
+        self.engine.abort(key)
+        if self.receiver is not None:
+            self.receiver.release(key)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -206,18 +260,33 @@ class DecodeWorker:
                 del self.receiving[key]
                 if self.receiver is not None:
                     self.receiver.release(key)
-                params = sampling_params(choice.sampling, choice.choice)
-                self.engine.add_prefilled(
-                    key,
-                    choice.prompt_token_ids,
-                    choice.first_token,
-                    params,
-                    engine_logprob(choice.first_logprob),
-                )
-                self.engine.requests[key].num_cached_tokens = max(
-                    choice.num_cached_tokens, choice.num_local_cached_tokens
-                )
-                self.running[key] = choice
+                self._start_decoding(key, choice)
+
+    def _start_decoding(self, key: str, choice: Choice) -> None:
+        """The prompt's KV is here: each choice still wanted decodes after its token 0."""
+        going = choice.going()
+        if not going:
+            self.engine.abort(key)
+            return
+        at = [c - choice.choice for c in going]
+        lps = choice.first_logprobs
+        tokens = [choice.first_tokens[i] for i in at]
+        first_lps = [engine_logprob(lps[i]) if lps else None for i in at]
+        params = [sampling_params(choice.sampling, c) for c in going]
+        keys = [engine_key(choice.request_id, c) for c in going]
+        prompt = choice.prompt_token_ids
+        try:
+            if going == [choice.choice] and choice.choices == 1:
+                self.engine.add_prefilled(key, prompt, tokens[0], params[0], first_lps[0])
+            else:
+                self.engine.add_prefilled_n(key, keys, prompt, tokens, params, first_lps)
+        except ValueError as e:  # the reservation is freed
+            self._fail(choice, 500, f"could not start decoding: {e}")
+            return
+        cached = max(choice.num_cached_tokens, choice.num_local_cached_tokens)
+        for c, k in zip(going, keys, strict=True):
+            self.engine.requests[k].num_cached_tokens = cached
+            self.running[k] = choice.one(c)
 
     def _expire_reservations(self) -> None:
         """A reservation nobody followed up (its prefill worker and the coordinator both gone):
@@ -235,16 +304,19 @@ class DecodeWorker:
         """``recompute``: prefill the prompt (and token 0) here instead; ``fail``: end it."""
         if self.kv_failure_policy == "recompute":
             logger.warning("KV transfer for %s failed (%s): recomputing locally", key, reason)
-            try:
-                params = sampling_params(choice.sampling, choice.choice)
-                self.engine.add_continuation(
-                    key, choice.prompt_token_ids, [choice.first_token], params
-                )
-            except ValueError as e:
-                self.engine.abort(key)
-                self._fail(choice, 500, f"KV transfer failed ({reason}); recompute failed: {e}")
-                return
-            self.running[key] = choice
+            self.engine.cancel_reservation(key)
+            for c in choice.going():
+                k = engine_key(choice.request_id, c)
+                try:
+                    params = sampling_params(choice.sampling, c)
+                    token = choice.first_tokens[c - choice.choice]
+                    self.engine.add_continuation(k, choice.prompt_token_ids, [token], params)
+                except ValueError as e:
+                    self.abort(choice.request_id)
+                    message = f"KV transfer failed ({reason}); recompute failed: {e}"
+                    self._fail(choice, 500, message)
+                    return
+                self.running[k] = choice.one(c)
             return
         self.engine.abort(key)
         self._fail(choice, 500, f"KV transfer failed: {reason}")

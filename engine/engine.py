@@ -81,6 +81,8 @@ class LLMEngine(KVHandoffMixin, ForkMixin):
         # and blocks reserved for KV that another worker will push here
         self.held: dict[str, Sequence] = {}
         self.reserved: dict[str, list[int]] = {}
+        # tokens computed in prompt chunks (recomputation included), since start (metrics)
+        self.prefill_tokens_computed = 0
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -173,6 +175,8 @@ class LLMEngine(KVHandoffMixin, ForkMixin):
         inputs = self.runner.prepare(batch.seqs, batch.num_new_tokens)
         logits = self.runner.execute(inputs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if not (n == 1 and seq.num_output_tokens and seq.num_uncomputed_tokens == 1):
+                self.prefill_tokens_computed += n  # anything but one token's decode step
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         if inputs.sample_seqs:

@@ -51,19 +51,22 @@ class KVHandoffMixin:
         return ids
 
     def reserve_prompt(
-        self: LLMEngine, request_id: str, prompt_token_ids: list[int]
+        self: LLMEngine, request_id: str, prompt_token_ids: list[int], choices: int = 1
     ) -> tuple[list[int], int]:
-        """Blocks for a prompt's KV and token 0, where the leading full blocks this engine
-        already holds in its prefix cache are shared rather than written again: the block
-        ids, and how many leading ones are such hits (only the rest need the KV moved here).
+        """Blocks for a prompt's KV and token 0 (and one more for each choice past the first,
+        as ``reserve``), where the leading full blocks this engine already holds in its
+        prefix cache are shared rather than written again: the block ids, and how many
+        leading ones are such hits (only the rest need the KV moved here).
 
         ``NoFreeBlocks`` when they are not free now; ``ValueError`` for a duplicate id.
         """
         if request_id in self.reserved or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} already has blocks here")
+        if choices < 1:
+            raise ValueError(f"choices must be at least 1, got {choices}")
         bm = self.block_manager
         hits = bm.find_cached_blocks(prompt_token_ids)
-        fresh = bm.blocks_needed(len(prompt_token_ids) + 1) - len(hits)
+        fresh = self.fork_blocks_needed(len(prompt_token_ids), choices) - len(hits)
         ids = bm.allocate_blocks(fresh, hits)
         self.reserved[request_id] = ids
         return ids, len(hits)

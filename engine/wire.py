@@ -42,6 +42,12 @@ def engine_key(request_id: str, choice: int) -> str:
     return f"{request_id}#{choice}"
 
 
+def prompt_key(request_id: str, choice: int) -> str:
+    """The engine id of a prompt run once for the choices from ``choice`` on (engine/fork.py);
+    never reported, so never confused with a choice's ``engine_key``."""
+    return f"{request_id}#{choice}+prompt"
+
+
 def sampling_params(spec: m.SamplingSpec, choice: int = 0) -> SamplingParams:
     """Rebuild (and validate) the params; choice ``c`` of a seeded request draws from seed+c."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}

@@ -25,7 +25,14 @@ import logging
 import threading
 
 from engine.engine import LLMEngine, RequestOutput
-from engine.wire import Outbox, TokenBatcher, engine_key, sampling_params, wire_logprobs
+from engine.wire import (
+    Outbox,
+    TokenBatcher,
+    engine_key,
+    prompt_key,
+    sampling_params,
+    wire_logprobs,
+)
 from kvtransfer.base import KVPoll, KVSender, TransferSpec
 from protocol import messages as m
 
@@ -53,6 +60,8 @@ class PrefillWorker:
         self.sending: dict[str, tuple[m.PrefillJob, m.TransferDone]] = {}
         self._reported: set[str] = set()  # sending keys whose TransferDone has gone out
         self._report_lock = threading.Lock()  # the sender's thread reports too
+        self._group: dict[str, str] = {}  # a shared job's choice ids -> the job's key
+        self._firsts: dict[str, dict[int, RequestOutput]] = {}  # token 0s so far, by job
         sender.notify(self._report)
 
     def handle(self, msg: m.Message) -> None:
@@ -64,23 +73,39 @@ class PrefillWorker:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _start(self, job: m.PrefillJob) -> None:
+        """The prompt runs once for the job's choices (``choices`` > 1: under ``prompt_key``,
+        each choice drawing its token 0 from its last logits, engine/fork.py)."""
         if self.draining:
             self._fail(job, 503, "worker is draining")
             return
         key = engine_key(job.request_id, job.choice)
+        members = range(job.choice, job.choice + max(job.choices, 1))
         try:
-            params = sampling_params(job.sampling, job.choice)
-            # token 0 only; min_tokens still keeps eos away from it when asked to
-            first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            firsts = []
+            for c in members:
+                params = sampling_params(job.sampling, c)
+                # token 0 only; min_tokens still keeps eos away from it when asked to
+                firsts.append(
+                    dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+                )
             self.engine.check_prompt(job.prompt_token_ids, params)
-            self.engine.add_request(key, job.prompt_token_ids, first, hold_kv=True)
+            if len(members) == 1:
+                self.engine.add_request(key, job.prompt_token_ids, firsts[0], hold_kv=True)
+            else:
+                ids = [engine_key(job.request_id, c) for c in members]
+                self.engine.add_request_n(
+                    _held_id(job), ids, job.prompt_token_ids, firsts, hold_kv=True
+                )
+                self._group.update((i, key) for i in ids)
         except ValueError as e:
             self._fail(job, 400, str(e))
             return
         self.computing[key] = job
+        self._firsts[key] = {}
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
-        """One choice (or every one) of the request; held blocks freed now."""
+        """The job (one choice, or the choices that share it) or every job of the request;
+        held blocks freed now. (The coordinator aborts a shared job by its first choice.)"""
         for table in (self.computing, self.sending):
             for key, value in list(table.items()):
                 job = _job(value)
@@ -89,8 +114,15 @@ class PrefillWorker:
                 with self._report_lock:
                     del table[key]
                     self._reported.discard(key)
-                self.engine.abort(key)  # frees held blocks too
+                self._forget(key, job)
+                self.engine.abort(_held_id(job))  # frees held blocks, and waiting choices
                 self.sender.release(key)
+
+    def _forget(self, key: str, job: m.PrefillJob) -> None:
+        self._firsts.pop(key, None)
+        for c in range(job.choice + 1, job.choice + job.choices):
+            self._group.pop(engine_key(job.request_id, c), None)
+        self._group.pop(key, None)
 
     def step(self) -> bool:
         """One engine step (prompt chunks), then check transfers in flight."""
@@ -104,38 +136,40 @@ class PrefillWorker:
         return busy
 
     def _on_output(self, out: RequestOutput) -> None:
-        job = self.computing.pop(out.request_id, None)
-        if job is None or not out.finished or out.finish_reason == "abort":
+        """Token 0 of a choice; once every choice of its job has one, the job goes on."""
+        key = self._group.get(out.request_id, out.request_id)
+        job = self.computing.get(key)
+        if job is None or not out.finished:
             return
-        key = out.request_id
-        token = out.new_token_ids[0]
-        # the whole request ends at token 0 if it stopped, or if it only wanted one token
-        ends = out.finish_reason == "stop" or job.sampling.max_tokens == 1
-        self.tokens.add(
-            job.stream_address,
-            m.TokenChunk(
-                request_id=job.request_id,
-                choice=job.choice,
-                index=0,
-                token_ids=[token],
-                logprobs=wire_logprobs(out.new_logprobs),
-                finished=ends,
-                finish_reason=out.finish_reason if ends else None,
-                num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens,
-            ),
-        )
-        if ends:
-            self.engine.release(key)
-            self.outbox.to_coordinator(m.Finished(job.request_id, job.choice, self.worker_id))
+        firsts = self._firsts[key]
+        firsts[int(out.request_id.rsplit("#", 1)[1])] = out
+        if len(firsts) < job.choices:
             return
-        src = self.engine.held_block_ids(key)
+        del self.computing[key]
+        self._forget(key, job)
+        outs = [firsts[c] for c in sorted(firsts)]
+        ended = []
+        for c, o in zip(sorted(firsts), outs, strict=True):
+            # a choice ends at token 0 if it stopped (or its constraint failed), or if it only
+            # wanted one token
+            ends = o.finish_reason in ("stop", "abort") or job.sampling.max_tokens == 1
+            self.tokens.add(job.stream_address, _first_chunk(job, c, o, ends))
+            if ends:
+                ended.append(c)
+                self.outbox.to_coordinator(m.Finished(job.request_id, c, self.worker_id))
+        held = _held_id(job)
+        if len(ended) == len(outs):
+            self.engine.release(held)
+            return
+        src = self.engine.held_block_ids(held)
+        lps = [wire_logprobs(o.new_logprobs) for o in outs]
         done = m.TransferDone(
             job.request_id,
-            [token],
-            wire_logprobs(out.new_logprobs),
-            out.num_cached_tokens,
+            [o.new_token_ids[0] for o in outs],
+            [lp[0] for lp in lps] if all(lps) else None,  # type: ignore[index]
+            outs[0].num_cached_tokens,
             job.choice,
+            ended=ended,
         )
         # the decode worker holds the leading ``skip_blocks`` already (its prefix cache)
         skip = min(max(job.skip_blocks, 0), len(src) - 1)
@@ -155,7 +189,7 @@ class PrefillWorker:
             with self._report_lock:
                 del self.sending[key]
                 self._reported.discard(key)
-            self.engine.release(key)
+            self.engine.release(held)
             error = f"KV transfer could not start: {e}"
             self.outbox.to_coordinator(dataclasses.replace(done, error=error))
 
@@ -178,10 +212,10 @@ class PrefillWorker:
                 continue
             self._report(key, state)  # unless the sender's thread did already
             with self._report_lock:
-                del self.sending[key]
+                job = self.sending.pop(key)[0]
                 self._reported.discard(key)
             self.sender.release(key)
-            self.engine.release(key)
+            self.engine.release(_held_id(job))
 
     def _fail(self, job: m.PrefillJob, status: int, message: str) -> None:
         logger.warning("request %s#%d failed: %s", job.request_id, job.choice, message)
@@ -205,3 +239,25 @@ class PrefillWorker:
 
 def _job(value: m.PrefillJob | tuple[m.PrefillJob, m.TransferDone]) -> m.PrefillJob:
     return value[0] if isinstance(value, tuple) else value
+
+
+def _held_id(job: m.PrefillJob) -> str:
+    """The engine id whose KV is held for the transfer: the choice's, or the prompt's that
+    its choices share."""
+    if job.choices > 1:
+        return prompt_key(job.request_id, job.choice)
+    return engine_key(job.request_id, job.choice)
+
+
+def _first_chunk(job: m.PrefillJob, choice: int, out: RequestOutput, ends: bool) -> m.TokenChunk:
+    return m.TokenChunk(
+        request_id=job.request_id,
+        choice=choice,
+        index=0,
+        token_ids=out.new_token_ids[:1],
+        logprobs=wire_logprobs(out.new_logprobs),
+        finished=ends,
+        finish_reason=out.finish_reason if ends else None,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )

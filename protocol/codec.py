@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 OOB_EXT = 1  # msgpack ext code of an out-of-band frame reference
 OOB_MIN_BYTES = 4096  # bytes values at least this large go out of band
 _RESERVED = ("type", "v")

@@ -238,7 +238,10 @@ class Reserve(Message):
     sampling: SamplingSpec
     n: int
     stream_address: str
-    choice: int = 0  # which of the n choices, where each choice is reserved on its own
+    choice: int = 0  # the first choice this reservation is for
+    # choices ``choice .. choice + choices - 1`` share it: their prompt is prefilled and moved
+    # once, then forked here (engine/fork.py); blocks for each one's tail come with it
+    choices: int = 1
 
 
 @message("reserved")
@@ -276,13 +279,15 @@ class PrefillJob(Message):
     generated_token_ids: list[int] = field(default_factory=list)
     transfer_secret: bytes = b""  # the decode worker's ``Reserved.transfer_secret``
     skip_blocks: int = 0  # ``Reserved.cached_blocks``: leading blocks not to move
+    choices: int = 1  # as ``Reserve.choices``: one prompt run for them all, token 0 each
 
 
 @message("transfer_done")
 @dataclass(frozen=True)
 class TransferDone(Message):
     """Prefill → coordinator → decode: the KV push ended (``error`` set when it failed, and
-    the decode worker's failure policy decides); token 0 of the choice rides along."""
+    the decode worker's failure policy decides); token 0 of each choice rides along:
+    ``first_token_ids[i]`` (and ``first_logprobs[i]``) is choice ``choice + i``'s."""
 
     request_id: str
     first_token_ids: list[int]
@@ -290,6 +295,7 @@ class TransferDone(Message):
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
     choice: int = 0
     error: str | None = None
+    ended: list[int] = field(default_factory=list)  # choices token 0 ended (not to decode)
 
 
 @dataclass(frozen=True)

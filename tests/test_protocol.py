@@ -129,7 +129,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 2,
+        "v": 3,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -175,8 +175,8 @@ def test_sampling_spec_mirrors_sampling_params() -> None:
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 2"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 2"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 3"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 3"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
