@@ -38,6 +38,7 @@ class Worker:
     waiting: int = 0
     queued_prompt_tokens: int = 0
     draining: bool = False
+    counters: m.WorkerCounters = field(default_factory=m.WorkerCounters)
 
     @property
     def worker_id(self) -> str:
@@ -150,6 +151,7 @@ class WorkerRegistry:
         worker.free_blocks, worker.used_blocks = hb.free_blocks, hb.used_blocks
         worker.running, worker.waiting = hb.running, hb.waiting
         worker.queued_prompt_tokens = hb.queued_prompt_tokens
+        worker.counters = hb.counters
         if hb.draining and not worker.draining:
             logger.info("worker %s is draining: no new work goes to it", worker.worker_id)
         worker.draining = hb.draining
@@ -220,6 +222,7 @@ class WorkerRegistry:
                 w.info.num_blocks,
                 w.running,
                 w.waiting,
+                w.counters,
             )
             for w in self.workers.values()
         ]

@@ -62,6 +62,19 @@ def heartbeat_problem(hb: m.Heartbeat | m.Reserved, num_blocks: int) -> str | No
             return f"{name}={getattr(hb, name)} is outside [0, {MAX_REQUESTS}]"
     if not 0 <= hb.queued_prompt_tokens <= MAX_QUEUED_TOKENS:
         return f"queued_prompt_tokens={hb.queued_prompt_tokens} is outside [0, {MAX_QUEUED_TOKENS}]"
+    return counters_problem(hb.counters)
+
+
+def counters_problem(c: m.WorkerCounters) -> str | None:
+    """Totals that cannot be a worker's: negative, not finite, or a histogram of the wrong
+    shape (they are only shown in ``/metrics``, but never as garbage)."""
+    totals = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
+    if any(not 0 <= v < 1 << 63 for v in (*totals, *c.transfer_seconds_counts)):
+        return "a counter outside [0, 2**63)"
+    if not 0.0 <= c.transfer_seconds_sum < float(1 << 63):  # NaN fails too
+        return f"transfer_seconds_sum={c.transfer_seconds_sum}"
+    if len(c.transfer_seconds_counts) not in (0, len(m.TRANSFER_SECONDS_BUCKETS) + 1):
+        return f"{len(c.transfer_seconds_counts)} transfer-time buckets"
     return None
 
 

@@ -69,6 +69,7 @@ class KVHandoffMixin:
         fresh = self.fork_blocks_needed(len(prompt_token_ids), choices) - len(hits)
         ids = bm.allocate_blocks(fresh, hits)
         self.reserved[request_id] = ids
+        self.scheduler.prefix_hit_tokens += len(hits) * bm.block_size
         return ids, len(hits)
 
     def cancel_reservation(self: LLMEngine, request_id: str) -> bool:

@@ -36,6 +36,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
+        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -83,6 +84,7 @@ class Scheduler:
                 break
             if hits and seq.num_preemptions == 0:
                 seq.num_cached_tokens = len(hits) * self.blocks.block_size
+                self.prefix_hit_tokens += seq.num_cached_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Protocol
 
@@ -74,8 +75,49 @@ def kv_layout(engine: LLMEngine) -> m.KVLayout:
     return layout_of(engine.runner.kv_cache.layers)
 
 
+class TransferStats:
+    """KV pushes a worker made: blocks, bytes and time taken (``WorkerCounters``).
+    ``ended`` may be called from a transfer thread."""
+
+    def __init__(self) -> None:
+        self.blocks = 0
+        self.bytes = 0
+        self.seconds_sum = 0.0
+        self.counts = [0] * (len(m.TRANSFER_SECONDS_BUCKETS) + 1)
+
+    def started(self, blocks: int, bytes_per_block: int) -> None:
+        self.blocks += blocks
+        self.bytes += blocks * bytes_per_block
+
+    def ended(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        self.seconds_sum += seconds
+        self.counts[bisect.bisect_left(m.TRANSFER_SECONDS_BUCKETS, seconds)] += 1
+
+
+def block_bytes(engine: LLMEngine) -> int:
+    """Bytes of KV one block holds, over every layer (what moving it costs)."""
+    return sum(layer[0].numel() * layer.element_size() for layer in engine.runner.kv_cache.layers)
+
+
+def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> m.WorkerCounters:
+    t = transfers or TransferStats()
+    return m.WorkerCounters(
+        prefix_hit_tokens=engine.scheduler.prefix_hit_tokens,
+        prefill_tokens=engine.prefill_tokens_computed,
+        kv_blocks_sent=t.blocks,
+        kv_bytes_sent=t.bytes,
+        transfer_seconds_sum=t.seconds_sum,
+        transfer_seconds_counts=list(t.counts) if transfers is not None else [],
+    )
+
+
 def heartbeat(
-    engine: LLMEngine, worker_id: str, queued_prompt_tokens: int, draining: bool = False
+    engine: LLMEngine,
+    worker_id: str,
+    queued_prompt_tokens: int,
+    draining: bool = False,
+    transfers: TransferStats | None = None,
 ) -> m.Heartbeat:
     bm = engine.block_manager
     return m.Heartbeat(
@@ -87,4 +129,5 @@ def heartbeat(
         waiting=len(engine.scheduler.waiting),
         queued_prompt_tokens=queued_prompt_tokens,
         draining=draining,
+        counters=worker_counters(engine, transfers),
     )

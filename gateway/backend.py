@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from protocol import messages as m
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class WorkerStats:
     kv_blocks_total: int
     requests_running: int
     requests_waiting: int
+    counters: m.WorkerCounters = field(default_factory=m.WorkerCounters)  # totals since start
 
 
 class BackendError(Exception):

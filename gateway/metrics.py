@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from gateway.backend import WorkerStats
+from protocol import messages as m
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -105,6 +106,18 @@ class Histogram(_Metric):
         if not labelnames:
             self._counts[()], self._sums[()] = [0] * len(self.buckets), 0.0
 
+    def clear(self) -> None:
+        """Forget every labelled series (for figures replaced wholesale, as ``set_counts``)."""
+        if self.labelnames:
+            self._counts, self._sums = {}, {}
+
+    def set_counts(self, counts: Sequence[int], total: float, **labels: str) -> None:
+        """A series from totals kept elsewhere: ``counts`` per bucket (not cumulative)."""
+        if len(counts) != len(self.buckets):
+            raise ValueError(f"{self.name}: {len(self.buckets)} buckets, got {len(counts)}")
+        key = self._key(labels)
+        self._counts[key], self._sums[key] = list(counts), float(total)
+
     def observe(self, value: float, **labels: str) -> None:
         key = self._key(labels)
         counts = self._counts.setdefault(key, [0] * len(self.buckets))
@@ -194,6 +207,38 @@ class GatewayMetrics:
         self.kv_total = r.add(Gauge("pdserve_kv_blocks_total", "KV blocks in all.", worker))
         self.running = r.add(Gauge("pdserve_requests_running", "Requests running.", worker))
         self.waiting = r.add(Gauge("pdserve_requests_waiting", "Requests queued.", worker))
+        self.prefix_hits = r.add(
+            Counter(
+                "pdserve_worker_prefix_hit_tokens_total",
+                "Prompt tokens whose KV the worker's prefix cache already held.",
+                worker,
+            )
+        )
+        self.prefill_computed = r.add(
+            Counter(
+                "pdserve_worker_prefill_tokens_total",
+                "Tokens the worker computed in prompt chunks (recomputation included).",
+                worker,
+            )
+        )
+        self.kv_blocks_sent = r.add(
+            Counter(
+                "pdserve_worker_kv_blocks_sent_total", "KV blocks pushed to decode workers.", worker
+            )
+        )
+        self.kv_bytes_sent = r.add(
+            Counter(
+                "pdserve_worker_kv_bytes_sent_total", "KV bytes pushed to decode workers.", worker
+            )
+        )
+        self.transfer_time = r.add(
+            Histogram(
+                "pdserve_worker_kv_transfer_seconds",
+                "Time from the start of a KV push to its end (done or failed).",
+                m.TRANSFER_SECONDS_BUCKETS,
+                worker,
+            )
+        )
         self.routing = r.add(
             Counter(
                 "pdserve_routing_decisions_total",
@@ -208,12 +253,22 @@ class GatewayMetrics:
     def set_workers(self, stats: Iterable[WorkerStats]) -> None:
         """Replace the per-worker gauges, so a worker that left disappears."""
         gauges = (self.kv_used, self.kv_total, self.running, self.waiting)
-        for gauge in gauges:
-            gauge.clear()
+        totals = (self.prefix_hits, self.prefill_computed, self.kv_blocks_sent, self.kv_bytes_sent)
+        for metric in (*gauges, *totals, self.transfer_time):
+            metric.clear()
         for s in stats:
             values = (s.kv_blocks_used, s.kv_blocks_total, s.requests_running, s.requests_waiting)
             for gauge, value in zip(gauges, values, strict=True):
                 gauge.set(value, role=s.role, worker=s.worker)
+            # the workers' own totals, as they last reported them
+            c = s.counters
+            counts = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
+            for counter, count in zip(totals, counts, strict=True):
+                counter.inc(count, role=s.role, worker=s.worker)
+            if c.transfer_seconds_counts:
+                self.transfer_time.set_counts(
+                    c.transfer_seconds_counts, c.transfer_seconds_sum, role=s.role, worker=s.worker
+                )
 
     def render(
         self, stats: Iterable[WorkerStats] = (), routing: Mapping[str, int] | None = None

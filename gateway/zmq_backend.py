@@ -253,7 +253,9 @@ class ZmqBackend(Backend):
         if self._state is None:
             return []
         return [
-            WorkerStats(w.role, w.worker_id, w.used_blocks, w.total_blocks, w.running, w.waiting)
+            WorkerStats(
+                w.role, w.worker_id, w.used_blocks, w.total_blocks, w.running, w.waiting, w.counters
+            )
             for w in self._state.workers
         ]
 

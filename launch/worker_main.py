@@ -171,7 +171,10 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     def periodic(now: float) -> None:
         for events in kv_events.messages():  # what its prefix cache holds, for routing
             outbox.to_coordinator(events)
-        liveness.publish(heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining))
+        transfers = getattr(worker, "transfers", None)  # a prefill worker's KV pushes
+        liveness.publish(
+            heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining, transfers)
+        )
 
     log.info(
         "%s worker %s serving %s: control %s",

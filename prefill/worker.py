@@ -23,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from engine.engine import LLMEngine, RequestOutput
 from engine.wire import (
     Outbox,
     TokenBatcher,
+    TransferStats,
+    block_bytes,
     engine_key,
     prompt_key,
     sampling_params,
@@ -53,7 +56,9 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.outbox = outbox
         self.tokens = TokenBatcher(outbox)  # this step's token 0s, one message per gateway
-        self.blocks_sent = 0  # KV blocks pushed to decode workers
+        self.transfers = TransferStats()  # KV pushed to decode workers (metrics)
+        self._block_bytes = block_bytes(engine)
+        self._started: dict[str, float] = {}  # sending key -> when its push began
         self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
         self.computing: dict[str, m.PrefillJob] = {}
@@ -114,6 +119,7 @@ class PrefillWorker:
                 with self._report_lock:
                     del table[key]
                     self._reported.discard(key)
+                    self._started.pop(key, None)
                 self._forget(key, job)
                 self.engine.abort(_held_id(job))  # frees held blocks, and waiting choices
                 self.sender.release(key)
@@ -181,7 +187,8 @@ class PrefillWorker:
             self.transfer_timeout_s,
             job.transfer_secret,
         )
-        self.blocks_sent += len(spec.src_block_ids)
+        self.transfers.started(len(spec.src_block_ids), self._block_bytes)
+        self._started[key] = time.monotonic()
         self.sending[key] = (job, done)  # first: the sender may finish before send returns
         try:
             self.sender.send(spec, self.engine.runner.kv_cache.layers)
@@ -189,6 +196,7 @@ class PrefillWorker:
             with self._report_lock:
                 del self.sending[key]
                 self._reported.discard(key)
+                self._started.pop(key, None)
             self.engine.release(held)
             error = f"KV transfer could not start: {e}"
             self.outbox.to_coordinator(dataclasses.replace(done, error=error))
@@ -201,6 +209,7 @@ class PrefillWorker:
             if entry is None or key in self._reported:
                 return
             self._reported.add(key)
+            self.transfers.ended(time.monotonic() - self._started.pop(key, time.monotonic()))
         reason = self.sender.failure_reason(key)
         error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"
         self.outbox.to_coordinator(dataclasses.replace(entry[1], error=error))
@@ -223,6 +232,10 @@ class PrefillWorker:
         self.tokens.flush()
         self.outbox.to_gateway(job.stream_address, error)
         self.outbox.to_coordinator(error)
+
+    @property
+    def blocks_sent(self) -> int:
+        return self.transfers.blocks
 
     def begin_drain(self) -> None:
         """Finish what is here; new work is turned away (the coordinator stops sending it)."""

@@ -28,6 +28,7 @@ from protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, enc
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "TRANSFER_SECONDS_BUCKETS",
     "Abort",
     "Accepted",
     "ClusterState",
@@ -52,6 +53,7 @@ __all__ = [
     "TokenChunk",
     "TokenLogprob",
     "TransferDone",
+    "WorkerCounters",
     "WorkerStatus",
     "decode",
     "encode",
@@ -138,6 +140,24 @@ class Register(Message):
     max_model_len: int = 0
 
 
+# upper bounds (seconds) of the KV-transfer-time histogram a worker reports, then +Inf
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class WorkerCounters:
+    """A worker's totals since it started (``Heartbeat`` → ``ClusterState`` → ``/metrics``)."""
+
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV its prefix cache already held
+    prefill_tokens: int = 0  # tokens it computed in prompt chunks (recomputation included)
+    kv_blocks_sent: int = 0  # KV blocks it pushed to decode workers
+    kv_bytes_sent: int = 0
+    transfer_seconds_sum: float = 0.0
+    # pushes that ended (done or failed) by time taken: one count per
+    # ``TRANSFER_SECONDS_BUCKETS`` bound and one past the last (not cumulative); empty: none
+    transfer_seconds_counts: list[int] = field(default_factory=list)
+
+
 @message("heartbeat")
 @dataclass(frozen=True)
 class Heartbeat(Message):
@@ -149,6 +169,7 @@ class Heartbeat(Message):
     waiting: int
     queued_prompt_tokens: int
     draining: bool = False  # finishing what it has, taking nothing new (SIGTERM)
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
 
 
 @message("kv_events")
@@ -198,6 +219,7 @@ class WorkerStatus:
     total_blocks: int
     running: int
     waiting: int
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
 
 
 @message("cluster_state")

@@ -149,7 +149,10 @@ class Cluster:
             for events in self.kv_events[wid].messages():
                 self.coordinator.handle(m.decode(m.encode(events)), time.monotonic())
             self.coordinator.handle(
-                heartbeat(w.engine, wid, w.queued_prompt_tokens), time.monotonic()
+                heartbeat(
+                    w.engine, wid, w.queued_prompt_tokens, transfers=getattr(w, "transfers", None)
+                ),
+                time.monotonic(),
             )
 
     def chunks(self, gateway: str = "gw") -> list[m.TokenChunk]:

@@ -150,6 +150,14 @@ def test_32_concurrent_streams_then_every_block_free(cluster) -> None:
     assert asyncio.run(run()) == [20] * 32
     used = cluster.wait_blocks_free()
     assert used and set(used.values()) == {0.0}
+    # the prefill worker's totals reach /metrics with its next heartbeat: every push counted
+    for name in ("kv_blocks_sent", "kv_transfer_seconds_count"):
+        pattern = rf'^pdserve_worker_{name}(?:_total)?\{{role="prefill",[^}}]*\}} (\S+)$'
+        deadline, total = time.monotonic() + 5.0, 0.0
+        while total < 32 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            total = sum(float(v) for v in re.findall(pattern, cluster.metrics(), re.M))
+        assert total >= 32, name
 
 
 def test_client_disconnect_frees_blocks(cluster) -> None:

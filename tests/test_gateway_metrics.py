@@ -78,6 +78,11 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_kv_blocks_total": "gauge",
         "pdserve_requests_running": "gauge",
         "pdserve_requests_waiting": "gauge",
+        "pdserve_worker_prefix_hit_tokens_total": "counter",
+        "pdserve_worker_prefill_tokens_total": "counter",
+        "pdserve_worker_kv_blocks_sent_total": "counter",
+        "pdserve_worker_kv_bytes_sent_total": "counter",
+        "pdserve_worker_kv_transfer_seconds": "histogram",
         "pdserve_routing_decisions_total": "counter",
     }
     assert families["pdserve_routing_decisions_total"][1] == {

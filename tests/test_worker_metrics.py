@@ -1,0 +1,79 @@
+"""Per-worker totals (issue 15 item 5): prefix-hit tokens, prefill tokens computed, KV blocks
+and bytes pushed, transfer times; from the workers' heartbeats to the gateway's /metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordinator.trust import counters_problem
+from engine.wire import block_bytes
+from gateway.backend import WorkerStats
+from gateway.metrics import GatewayMetrics
+from protocol import messages as m
+from tests.cluster_util import Cluster
+from tests.engine_util import make_engine, prompts
+
+SPEC = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_two_turns_add_up_exactly(tiny_dir) -> None:
+    cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir)])  # blocks of 4 tokens
+    try:
+        first = prompts(512, [21], seed=80)[0]
+        cluster.submit("turn1", first, SPEC)
+        cluster.pump()
+        answer = cluster.tokens("turn1")[0]
+        second = first + answer + prompts(512, [10], seed=81)[0]  # 39 tokens
+        cluster.submit("turn2", second, SPEC)
+        cluster.pump()
+        cluster.heartbeats()
+        state = cluster.coordinator.registry.cluster_state()
+        counters = {w.worker_id: w.counters for w in state.workers}
+    finally:
+        cluster.close()
+    p, d = counters["p0"], counters["d0"]
+    # the prefill worker: turn 1 computed 21; turn 2 found turn 1's 5 full blocks cached
+    assert (p.prefix_hit_tokens, p.prefill_tokens) == (20, 21 + 19)
+    # 6 blocks for turn 1, then only blocks 8..10 (the decode worker held 7 full ones)
+    assert p.kv_blocks_sent == 6 + 3
+    assert p.kv_bytes_sent == 9 * block_bytes(cluster.workers["p0"].engine)
+    assert sum(p.transfer_seconds_counts) == 2 and p.transfer_seconds_sum > 0
+    # the decode worker computed no prompt; its cache held 28 of turn 2's tokens
+    assert (d.prefix_hit_tokens, d.prefill_tokens, d.kv_blocks_sent) == (28, 0, 0)
+    assert d.transfer_seconds_counts == []
+    assert counters_problem(p) is None and counters_problem(d) is None
+
+
+def test_gateway_renders_each_workers_totals() -> None:
+    counts = [0] * (len(m.TRANSFER_SECONDS_BUCKETS) + 1)
+    counts[2], counts[-1] = 3, 1  # three pushes of at most 5 ms, one past 2.5 s
+    c = m.WorkerCounters(20, 40, 9, 9 * 1024, 3.01, counts)
+    text = GatewayMetrics().render([WorkerStats("prefill", "p0", 1, 10, 0, 0, c)])
+    labels = 'role="prefill",worker="p0"'
+    for line in (
+        f"pdserve_worker_prefix_hit_tokens_total{{{labels}}} 20.0",
+        f"pdserve_worker_prefill_tokens_total{{{labels}}} 40.0",
+        f"pdserve_worker_kv_blocks_sent_total{{{labels}}} 9.0",
+        f"pdserve_worker_kv_bytes_sent_total{{{labels}}} 9216.0",
+        f'pdserve_worker_kv_transfer_seconds_bucket{{{labels},le="0.001"}} 0',
+        f'pdserve_worker_kv_transfer_seconds_bucket{{{labels},le="0.005"}} 3',
+        f'pdserve_worker_kv_transfer_seconds_bucket{{{labels},le="+Inf"}} 4',
+        f"pdserve_worker_kv_transfer_seconds_count{{{labels}}} 4",
+        f"pdserve_worker_kv_transfer_seconds_sum{{{labels}}} 3.01",
+    ):
+        assert line in text.splitlines(), line
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prefill_tokens": -1},
+        {"kv_bytes_sent": 1 << 63},
+        {"transfer_seconds_sum": float("nan")},
+        {"transfer_seconds_counts": [1, 2]},
+    ],
+)
+def test_impossible_totals_are_refused(change: dict) -> None:
+    assert counters_problem(dataclasses.replace(m.WorkerCounters(), **change)) is not None
