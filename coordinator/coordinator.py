@@ -9,7 +9,8 @@ Route of one choice (``(request_id, choice)``)::
     route touches gets an Abort, and the request's gateway a RequestError (it drops the ones
     for requests it ended itself), so no Abort, genuine or forged, leaves a stream silent.
 
-Conditional disaggregation: a prompt of at most ``max_local_prefill_tokens`` tokens, or any
+Conditional disaggregation: a prompt whose part not cached on its decode worker (``kv``
+routing: the worker holding most of it) is at most ``max_local_prefill_tokens`` tokens, or any
 prompt while every prefill worker has more than ``max_prefill_queue_tokens`` queued, is
 prefilled by its decode worker itself (a ``PrefillJob`` with no destination: no transfer);
 0 turns either rule off. ``decisions`` counts each choice's route by reason.
@@ -191,8 +192,12 @@ class Coordinator(Recovery):
         return -(-(len(req.prompt_token_ids) + 1) // bs) + choices - 1
 
     def _local_reason(self, req: m.Generate) -> str | None:
-        if 0 < len(req.prompt_token_ids) <= self.max_local_prefill_tokens:
-            return "local_short_prompt"
+        if self.max_local_prefill_tokens > 0 and req.prompt_token_ids:
+            # the part of the prompt its decode worker would compute: a conversation's next
+            # turn is short even when its history is long
+            hit = self.placement.decode_hit_tokens(req.model, req.prompt_token_ids)
+            if len(req.prompt_token_ids) - hit <= self.max_local_prefill_tokens:
+                return "local_short_prompt"
         if self.max_prefill_queue_tokens > 0:
             queued = self.registry.prefill_queue_tokens(req.model, self._silent())
             if queued is not None and queued > self.max_prefill_queue_tokens:

@@ -120,8 +120,8 @@ def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
         "--max-local-prefill-tokens",
         type=int,
         default=0,
-        help="prompts of at most this many tokens are prefilled by their decode worker, with "
-        "no KV transfer (0: off)",
+        help="prompts whose part not cached on their decode worker is at most this many tokens "
+        "are prefilled by that worker, with no KV transfer (0: off)",
     )
     parser.add_argument(
         "--max-prefill-queue-tokens",

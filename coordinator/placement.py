@@ -113,6 +113,23 @@ class Placement:
         best.free_blocks -= need_blocks
         return best
 
+    def decode_hit_tokens(self, model: str, prompt: list[int]) -> int:
+        """Leading tokens of ``prompt`` the decode worker holding most of it has cached
+        (``kv`` mode: the one ``pick_decode`` favours; 0 in the others, blind to caches)."""
+        if self.mode != "kv" or not self.registry.kv.holders:
+            return 0
+        pool = [
+            w
+            for w in self.registry.workers.values()
+            if w.info.model == model and w.can_decode and not w.draining
+        ]
+        if not pool:
+            return 0
+        block_size = pool[0].info.layout.block_size
+        hashes = cacheable_hashes(prompt, block_size)
+        hits = self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])
+        return max(hits.values(), default=0) * block_size
+
     def _decode_by_cache(self, prompt: list[int], need: int, pool: list[Worker]) -> Worker:
         hashes = cacheable_hashes(prompt, pool[0].info.layout.block_size)
         hits = self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])

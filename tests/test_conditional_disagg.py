@@ -108,3 +108,24 @@ def test_served_cluster_counts_decisions_in_metrics(tiny_dir) -> None:
         assert 'pdserve_routing_decisions_total{reason="disaggregated"} 1.0' in text
     finally:
         c.stop()
+
+
+def test_a_next_turn_short_past_its_cached_history_stays_local(tiny_dir) -> None:
+    """The rule counts what the decode worker would compute: a long history it holds (from
+    the first turn) plus a few new tokens is short."""
+    cluster = make(tiny_dir, max_local_prefill_tokens=12)
+    try:
+        first = prompts(512, [40], seed=53)[0]
+        cluster.submit("turn1", first, SPEC)
+        assert prefill_jobs(cluster) == ["p0"]
+        answer = cluster.tokens("turn1")[0]
+        cluster.heartbeats()  # the decode worker's cache: 47 tokens' KV, 11 full blocks
+        second = first + answer + prompts(512, [5], seed=54)[0]  # 53 tokens, 9 not cached
+        cluster.submit("turn2", second, SPEC)
+        assert prefill_jobs(cluster) == ["d0"]
+        assert cluster.tokens("turn2") == {0: hf_greedy(tiny_dir, second, 8)}
+        assert cluster.coordinator.decisions == {"disaggregated": 1, "local_short_prompt": 1}
+        assert cluster.workers["d0"].engine.prefill_tokens_computed == 53 - 44
+        assert set(cluster.used_blocks().values()) == {0}
+    finally:
+        cluster.close()
