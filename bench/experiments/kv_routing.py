@@ -1,7 +1,9 @@
 """KV-aware routing against load-based routing, on the ``multi-turn`` chat workload.
 
-Starts ``pdserve serve --prefill 2 --decode 2 --pin --routing MODE`` for each arm (on this
-2-core machine: a prefill and a decode worker pinned to each core), alternating the arms
+Starts ``pdserve serve --prefill 2 --decode 2 --pin --routing MODE
+--max-local-prefill-tokens 128`` for each arm (on this 2-core machine: a prefill and a decode
+worker pinned to each core; with ``kv`` a turn whose history its decode worker holds is
+prefilled there, its few new tokens only, and nothing moves), alternating the arms
 round by round (kv, load, load, kv, kv, ...: neither always goes first on a warmer or quieter
 machine), and runs ``pdserve bench --dataset multi-turn`` against each: conversations that
 re-send their history over a shared system prompt. Round r uses seed ``--seed + r`` for both
@@ -10,8 +12,9 @@ arms, so each pair of runs sends the same conversations.
 Per run it keeps turns >= 3 (``per_turn["3+"]``): median TTFT, median TPOT, prompt and cached
 prompt tokens (``usage.prompt_tokens_details.cached_tokens``: the larger of the prefill
 worker's prefix-cache hit and the decode worker's, which holds the earlier answers too), and
-prompt - cached, a lower bound on the prompt tokens the prefill workers computed (their own
-count is not on ``/metrics`` yet); and the coordinator's routing decisions from ``/metrics``.
+prompt - cached; and from the gateway's ``/metrics`` the coordinator's routing decisions and
+the workers' own totals over the whole run (every turn): prompt tokens computed (prefill and
+decode workers), KV blocks and bytes moved.
 The report gives each figure's median over the rounds per arm, and every run.
 
 Writes ``bench/results/kv_routing[_MODEL].json`` (no suffix for ``small``), a markdown table
@@ -52,8 +55,11 @@ FIGURES = (  # (key in a run's figures, label, format)
     ("cached_fraction", "turns 3+ prompt tokens cached (usage)", "{:.0%}"),
     ("computed_tokens", "turns 3+ prompt tokens not cached (usage)", "{:.0f}"),
     ("completed", "turns 3+ completed", "{:.0f}"),
+    ("prefill_tokens", "prompt tokens computed, every turn (workers' /metrics)", "{:.0f}"),
+    ("kv_mb_sent", "KV MB moved, every turn (workers' /metrics)", "{:.1f}"),
 )
 WORKLOAD_KEYS = (
+    "max_local_prefill_tokens",
     "conversations",
     "turns",
     "system_len",
@@ -78,6 +84,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8, help="conversations in flight")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=128,
+        help="both arms: a turn whose part not cached on its decode worker is this short is "
+        "prefilled there (with --routing load the coordinator knows no cache: never)",
+    )
     p.add_argument("--serve-flag", action="append", default=[], help="extra pdserve serve flag")
     p.add_argument("--out", default=None, help="default: bench/results/kv_routing_MODEL.json")
     p.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out")
@@ -115,25 +128,48 @@ def bench_flags(args: argparse.Namespace, model: str, seed: int) -> list[str]:
     ]
 
 
-def routing_decisions(url: str) -> dict[str, float]:
-    """``pdserve_routing_decisions_total`` by reason, from the gateway's ``/metrics``."""
+def metrics(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def routing_decisions(text: str) -> dict[str, float]:
+    """``pdserve_routing_decisions_total`` by reason, from the gateway's ``/metrics``."""
     found = re.findall(r'pdserve_routing_decisions_total\{reason="([a-z_]+)"\} ([0-9.e+]+)', text)
     return {reason: float(value) for reason, value in found}
 
 
+def worker_total(text: str, name: str) -> float:
+    """``pdserve_worker_NAME_total`` summed over every worker."""
+    found = re.findall(rf"^pdserve_worker_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def settled_metrics(url: str, timeout: float = 15.0) -> str:
+    """``/metrics`` once the workers' totals stop changing: each reaches the gateway with the
+    worker's next heartbeat (about a second), through the coordinator."""
+    deadline, text = time.monotonic() + timeout, metrics(url)
+    while time.monotonic() < deadline:
+        time.sleep(1.2)
+        again = metrics(url)
+        names = ("prefill_tokens", "kv_bytes_sent")
+        if all(worker_total(again, n) == worker_total(text, n) for n in names):
+            return again
+        text = again
+    return text
+
+
 def run_arm(args: argparse.Namespace, model: str, arm: str, seed: int, out: Path) -> dict:
     print(f"== {arm} (seed {seed}): starting pdserve serve", flush=True)
-    flags = ["--prefill=2", "--decode=2", "--pin", f"--routing={arm}", *args.serve_flag]
+    flags = ["--prefill=2", "--decode=2", "--pin", f"--routing={arm}"]
+    flags += [f"--max-local-prefill-tokens={args.max_local_prefill_tokens}", *args.serve_flag]
     load_before = os.getloadavg()
     cluster = ServeProcess(model, flags)
     try:
         cmd = [*pdserve_command(), "bench", f"--base-url={cluster.url}"]
         cmd += [*bench_flags(args, model, seed), f"--save-result={out}"]
         subprocess.run(cmd, check=True)
-        time.sleep(1.5)  # the coordinator's figures reach the gateway about once a second
-        decisions = routing_decisions(cluster.url)
+        text = settled_metrics(cluster.url)
     finally:
         cluster.stop()
     result = json.loads(out.read_text())
@@ -151,7 +187,12 @@ def run_arm(args: argparse.Namespace, model: str, arm: str, seed: int, out: Path
         "completed": turns["completed"],
         "requests": turns["requests"],
         "failed": result["failed"],
-        "routing": decisions,
+        "routing": routing_decisions(text),
+        # the workers' own totals over the whole run (warm-up and turns 1-2 included)
+        "prefill_tokens": worker_total(text, "prefill_tokens"),
+        "prefix_hit_tokens": worker_total(text, "prefix_hit_tokens"),
+        "kv_blocks_sent": worker_total(text, "kv_blocks_sent"),
+        "kv_mb_sent": worker_total(text, "kv_bytes_sent") / 1e6,
         "loadavg": [load_before, os.getloadavg()],
     }
 
@@ -178,14 +219,17 @@ def table(report: dict) -> str:
         lines.append(f"| {label} | {fmt.format(kv)} | {fmt.format(load)} | {ratio} |")
     lines += [
         "",
-        "| run | arm | TTFT p50 ms | TPOT p50 ms | cached | not cached | routing decisions |",
-        "|---|---|---|---|---|---|---|",
+        "| run | arm | TTFT p50 ms | TPOT p50 ms | cached | not cached | prompt tokens computed"
+        " | KV MB moved | routing decisions |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(report["runs"]):
         routing = ", ".join(f"{k} {v:g}" for k, v in sorted(r["routing"].items()))
         lines.append(
             f"| {i + 1} | {r['arm']} | {r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f}"
-            f" | {r['cached_fraction']:.0%} | {r['computed_tokens']} | {routing} |"
+            f" | {r['cached_fraction']:.0%} | {r['computed_tokens']}"
+            f" | {r['prefill_tokens']:.0f} | {r['kv_mb_sent']:.1f}"
+            f" | {routing} |"
         )
     return "\n".join(lines)
 
@@ -199,9 +243,10 @@ def draw(report: dict, png: Path) -> None:
     panels = (
         ("ttft_p50_ms", "median TTFT, turns ≥ 3 (ms)"),
         ("tpot_p50_ms", "median TPOT, turns ≥ 3 (ms)"),
-        ("computed_tokens", "prompt tokens not cached, turns ≥ 3"),
+        ("prefill_tokens", "prompt tokens computed (all turns)"),
+        ("kv_mb_sent", "KV MB moved (all turns)"),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(12, 3.8))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.8))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for x, arm in enumerate(ARMS):
             values = [r[key] for r in report["runs"] if r["arm"] == arm]
