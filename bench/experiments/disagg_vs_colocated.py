@@ -4,8 +4,10 @@ Starts ``pdserve serve`` twice on one model (default: SmolLM2-135M-Instruct, pul
 use; ``--model small`` for the random one), each time two workers pinned to a core each (on
 this 2-core machine):
 
-    disagg     prefill-0 [core 0]   decode-1 [core 1]      --prefill 1 --decode 1 --pin
-    colocated  decode-0  [core 0]   decode-1 [core 1]      --mode colocated ... --pin
+    disagg       prefill-0 [core 0]   decode-1 [core 1]    --prefill 1 --decode 1 --pin
+    colocated    decode-0  [core 0]   decode-1 [core 1]    --mode colocated ... --pin
+    conditional  as disagg, with --max-local-prefill-tokens N (``--local-prefill-tokens``):
+                 the decode worker prefills short prompts itself, long ones go to prefill-0
 
 and runs ``pdserve bench --dataset mixed`` at each rate against both: short-prompt, long-output
 streams arriving at the rate, plus bursts of long prompts. Writes
@@ -40,7 +42,7 @@ from bench.cluster import ServeProcess  # noqa: E402
 from bench.plots import plot_sweep  # noqa: E402
 from launch.serve import pdserve_command  # noqa: E402
 
-MODES = {"disagg": [], "colocated": ["--mode=colocated"]}
+MODES = {"disagg": [], "colocated": ["--mode=colocated"], "conditional": []}
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,6 +60,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--burst-size", type=int, default=2)
     p.add_argument("--burst-interval", type=float, default=3.0)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=256,
+        help="the conditional arm's --max-local-prefill-tokens (streams under, bursts over)",
+    )
     p.add_argument("--out", default=None, help="default: bench/results/disagg_vs_colocated_MODEL")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON")
     return p.parse_args()
@@ -104,7 +112,10 @@ def bench_flags(args: argparse.Namespace, model: str) -> list[str]:
 
 def run_mode(args: argparse.Namespace, model: str, mode: str, out: Path) -> list[dict]:
     print(f"== {mode}: starting pdserve serve", flush=True)
-    cluster = ServeProcess(model, ["--prefill=1", "--decode=1", "--pin", *MODES[mode]])
+    flags = ["--prefill=1", "--decode=1", "--pin", *MODES[mode]]
+    if mode == "conditional":
+        flags.append(f"--max-local-prefill-tokens={args.local_prefill_tokens}")
+    cluster = ServeProcess(model, flags)
     try:
         cmd = [*pdserve_command(), "bench", f"--base-url={cluster.url}"]
         cmd += [*bench_flags(args, model), f"--save-result={out}"]
@@ -114,22 +125,30 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, out: Path) -> list
     return json.loads(out.read_text())["rows"]
 
 
+TABLE = (  # (key, heading, format)
+    ("p99_tpot_ms", "p99 TPOT ms", "{:.1f}"),
+    ("median_ttft_ms", "median TTFT ms (mostly short prompts)", "{:.0f}"),
+    ("p99_ttft_ms", "p99 TTFT ms", "{:.0f}"),
+    ("request_goodput", "goodput req/s", "{:.2f}"),
+    ("slo_attainment", "SLO attainment", "{:.0%}"),
+)
+
+
 def table(rows: list[dict]) -> str:
-    head = "| rate (streams/s) | p99 TPOT ms disagg / coloc | p99 TTFT ms disagg / coloc |"
-    head += " goodput req/s disagg / coloc | SLO attainment disagg / coloc |"
-    lines = [head, "|---|---|---|---|---|"]
+    modes = [mode for mode in MODES if mode in rows[0]]
+    names = " / ".join(modes)
+    lines = [
+        "| rate (streams/s) | " + " | ".join(f"{h} {names}" for _, h, _ in TABLE) + " |",
+        "|---" * (len(TABLE) + 1) + "|",
+    ]
     for row in rows:
-        d, c = row["disagg"], row["colocated"]
-        lines.append(
-            f"| {row['rate']:g} | {d['p99_tpot_ms']:.1f} / {c['p99_tpot_ms']:.1f}"
-            f" | {d['p99_ttft_ms']:.0f} / {c['p99_ttft_ms']:.0f}"
-            f" | {d['request_goodput']:.2f} / {c['request_goodput']:.2f}"
-            f" | {d['slo_attainment']:.0%} / {c['slo_attainment']:.0%} |"
-        )
+        cells = [" / ".join(fmt.format(row[m][key]) for m in modes) for key, _, fmt in TABLE]
+        lines.append(f"| {row['rate']:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 WORKLOAD_KEYS = (
+    "local_prefill_tokens",
     "stream_input_len",
     "stream_output_len",
     "burst_input_len",
@@ -148,7 +167,9 @@ def draw(report: dict, png: Path) -> None:
         f"{w['stream_output_len']} tok; every {w['burst_interval']:g} s {w['burst_size']}×"
         f"{w['burst_input_len']}→{w['burst_output_len']} tok; SLO TPOT ≤ {w['slo_tpot_ms']:g} ms"
     )
-    series = {mode: [row[mode] for row in report["rows"]] for mode in MODES}
+    series = {
+        mode: [row[mode] for row in report["rows"]] for mode in MODES if mode in report["rows"][0]
+    }
     plot_sweep(series, png, title)
     print(table(report["rows"]))
     print(f"wrote {png}")
@@ -168,8 +189,7 @@ def main() -> int:
             results[mode] = run_mode(args, model, mode, Path(tmp) / f"{mode}.json")
     rates = [float(r) for r in args.rates.split(",")]
     rows = [
-        {"rate": rate, "disagg": d, "colocated": c}
-        for rate, d, c in zip(rates, results["disagg"], results["colocated"], strict=True)
+        {"rate": rate, **{mode: results[mode][i] for mode in MODES}} for i, rate in enumerate(rates)
     ]
     command = shlex.join([".venv/bin/python", "bench/experiments/disagg_vs_colocated.py"])
     command += "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
