@@ -5,13 +5,16 @@ The ZMQ client (gateway -> coordinator, token stream back from the workers) impl
 
 - ``await submit(request)`` admits the request or raises ``BackendError`` (overloaded: 429,
   unavailable: 503) before any token exists; it returns the request's token stream.
-- The stream yields ``TokenEvent``s for all ``n`` choices, interleaved, in any order: token 0
-  of a choice comes from the prefill worker, tokens 1.. from the decode worker, so an event may
-  arrive before one with a lower ``index``. The gateway reorders by ``index``.
-- Each choice ends with exactly one event whose ``finish_reason`` is set: ``"length"`` (max
-  tokens or context), or ``"stop"`` when the last token of that event is an eos / stop token id
-  (the gateway counts it but never shows its text). The stream ends after the last choice's
-  final event. A failure mid-stream raises ``BackendError`` from the iterator.
+- The stream yields the ``TokenChunk``s (``protocol.messages``, the wire's type, passed on as it
+  came) of all ``n`` choices, interleaved; each choice's in index order, every token once
+  (``gateway.reorder.ChoiceOrder`` makes them so: token 0 of a choice comes from the prefill
+  worker, tokens 1.. from the decode worker, and either may come first; a migrated choice's
+  new worker may repeat tokens). Nothing is reordered after the backend.
+- Each choice ends with exactly one chunk that has ``finished`` set and a ``finish_reason``:
+  ``"length"`` (max tokens or context), or ``"stop"`` when the last token of that chunk is an
+  eos / stop token id (the gateway counts it but never shows its text); for any other reason
+  (an abort the gateway never asked for) the backend raises instead. The stream ends after the
+  last choice's final chunk. A failure mid-stream raises ``BackendError`` from the iterator.
 - ``await abort(request_id)`` stops every choice of the request and frees its blocks; it is
   idempotent and may be called after the request finished.
 """
@@ -33,25 +36,6 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # keyword arguments of engine.sampling_params.SamplingParams
     n: int = 1
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probabilities at one output position."""
-
-    logprob: float  # of the sampled token
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the k best, best first
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    choice: int
-    index: int  # position of token_ids[0] in this choice's output
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids when requested
-    finish_reason: str | None = None  # "stop" | "length" on the choice's last event
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -84,7 +68,7 @@ class BackendError(Exception):
 
 class Backend(abc.ABC):
     @abc.abstractmethod
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[m.TokenChunk]:
         """Admit ``request`` (or raise ``BackendError``) and return its token stream."""
 
     @abc.abstractmethod

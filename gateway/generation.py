@@ -8,6 +8,11 @@ drain ends it (``expire``), nothing arrives from the cluster for ``idle_s`` (the
 bound: no failure anywhere can leave it silent longer), or more than ``max_backlog`` events
 wait for a consumer that does not keep up (a slow reader: the requests are aborted at once,
 the consumer finds the error after what it has not read yet).
+
+Each chunk's update is passed on by itself (one SSE event per token as workers send them), also
+when several came at once; only when chunks came in while the last updates were out (a reader
+slower than the stream: its writes had to wait) is everything then waiting merged, one update
+per choice, so a slow reader gets fewer, larger events instead of a growing backlog.
 """
 
 from __future__ import annotations
@@ -22,17 +27,18 @@ from dataclasses import dataclass
 import anyio
 
 from engine.tokenizer import Tokenizer
-from gateway.backend import Backend, BackendError, TokenEvent
+from gateway.backend import Backend, BackendError
 from gateway.choices import ChoiceState, ChoiceUpdate
 from gateway.errors import OpenAIError, request_timeout, slow_reader, stream_idle
 from gateway.jobs import Job
 from gateway.logprobs import TokenTexts
 from gateway.metrics import GatewayMetrics
+from protocol.messages import TokenChunk
 
 log = logging.getLogger(__name__)
 
 _END = None  # what a pump puts on the queue when its stream is exhausted
-_Item = tuple[int, TokenEvent | BaseException | None]  # (prompt, what its stream gave)
+_Item = tuple[int, TokenChunk | BaseException | None]  # (prompt, what its stream gave)
 
 
 @dataclass
@@ -75,7 +81,7 @@ class Generation:
             for i in range(job.num_choices)
         ]
         self._cached = [0] * len(job.requests)
-        self._streams: list[AsyncIterator[TokenEvent]] = []
+        self._streams: list[AsyncIterator[TokenChunk]] = []
         self._open: set[int] = set()  # prompts whose backend request may still be running
         self._first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}
@@ -153,21 +159,29 @@ class Generation:
             )
         outcome = "aborted"
         try:
+            behind = False  # chunks came while the last updates were out: the reader is slower
             while self._open:
-                prompt, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if prompt not in self._open:
-                    continue
-                if item is _END:
-                    rid = self.job.requests[prompt].request_id
-                    raise BackendError(f"request {rid}: token stream ended before every choice")
-                update = self._on_event(prompt, item)
-                if update is not None:
+                ready: dict[int, ChoiceUpdate] = {}  # choice -> its update, merged
+                failure: Exception | None = None
+                try:
+                    prompt, item = await queue.get()
+                    if self._take(prompt, item, ready):
+                        await self._finish_prompt(prompt)
+                    while behind and self._open and not queue.empty():
+                        prompt, item = queue.get_nowait()
+                        if self._take(prompt, item, ready):
+                            await self._finish_prompt(prompt)
+                except Exception as e:
+                    if not ready:
+                        raise
+                    failure = e  # after what came before it
+                behind = False
+                for update in ready.values():
+                    waiting = queue.qsize()
                     yield update
-                if self._prompt_done(prompt):
-                    self._pumps[prompt].cancel()
-                    await self._finish_prompt(prompt)
+                    behind = behind or queue.qsize() > waiting
+                if failure is not None:
+                    raise failure
             outcome = "success"
         except Exception as e:
             expired = self._expired
@@ -216,15 +230,33 @@ class Generation:
             if outcome == "success":
                 self._metrics.e2e.observe(self._clock() - self._arrival)
 
-    def _on_event(self, prompt: int, event: TokenEvent) -> ChoiceUpdate | None:
-        if not 0 <= event.choice < self.job.n:
-            raise BackendError(f"choice {event.choice} out of range for n={self.job.n}")
-        self._cached[prompt] = max(self._cached[prompt], event.num_cached_tokens)
-        index = prompt * self.job.n + event.choice
-        update = self.choices[index].add(event)
-        if update is not None and update.num_tokens:
-            self._observe_tokens(index, update.num_tokens)
-        return update
+    def _take(
+        self, prompt: int, item: TokenChunk | BaseException | None, ready: dict[int, ChoiceUpdate]
+    ) -> bool:
+        """Feed one queued item to its choice, merging the update into ``ready``; raise what
+        failed. True when it ended the last open choice of its prompt (to finish)."""
+        if isinstance(item, BaseException):
+            raise item
+        if prompt not in self._open:
+            return False
+        if item is _END:
+            rid = self.job.requests[prompt].request_id
+            raise BackendError(f"request {rid}: token stream ended before every choice")
+        n = self.job.n
+        if not 0 <= item.choice < n:
+            raise BackendError(f"choice {item.choice} out of range for n={n}")
+        if item.num_cached_tokens > self._cached[prompt]:
+            self._cached[prompt] = item.num_cached_tokens
+        index = prompt * n + item.choice
+        update = self.choices[index].add(item)
+        if update is not None:
+            if update.num_tokens:
+                self._observe_tokens(index, update.num_tokens)
+            if (earlier := ready.get(index)) is None:
+                ready[index] = update
+            else:
+                earlier.absorb(update)
+        return self._prompt_done(prompt)
 
     def _observe_tokens(self, index: int, num_tokens: int) -> None:
         if self._metrics is None:
@@ -250,6 +282,7 @@ class Generation:
 
     async def _finish_prompt(self, prompt: int) -> None:
         n = self.job.n
+        self._pumps[prompt].cancel()
         self._open.discard(prompt)
         if not all(c.backend_finished for c in self.choices[prompt * n : (prompt + 1) * n]):
             await self._backend.abort(self.job.requests[prompt].request_id)
@@ -266,7 +299,7 @@ class Generation:
 
 async def _pump(
     prompt: int,
-    stream: AsyncIterator[TokenEvent],
+    stream: AsyncIterator[TokenChunk],
     queue: asyncio.Queue[_Item],
     pumped: Callable[[], bool],
 ) -> None:

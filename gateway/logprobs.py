@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.tokenizer import Tokenizer
-from gateway.backend import TokenLogprobs
+from protocol.messages import TokenLogprob
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -70,7 +70,7 @@ class LogprobEntry:
 
 
 def resolve(
-    texts: TokenTexts, token_id: int, logprobs: TokenLogprobs, text_offset: int
+    texts: TokenTexts, token_id: int, logprobs: TokenLogprob, text_offset: int
 ) -> LogprobEntry:
     token, raw = texts.get(token_id)
     top = tuple((*texts.get(i), lp) for i, lp in logprobs.top)

@@ -21,6 +21,8 @@ class StopMatcher:
         After a match the matcher is done: later calls return ("", True)."""
         if self.stopped:
             return "", True
+        if not self._stops:
+            return text, False
         buf = self._held + text
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:

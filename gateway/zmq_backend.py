@@ -13,9 +13,11 @@ refused request, streamed or not, is answered with its own status (503 and ``Ret
 when no decode worker has room), never a 200 followed by an error event.
 
 Each request in flight has a queue; the receive loop routes its chunks and errors there and drops
-anything else (malformed frames, chunks of requests already over or aborted). A request's stream
-ends once every choice has had its finished chunk *and* every token before it: token 0 comes from
-another socket than the decode worker's last chunk and may arrive after it.
+anything else (malformed frames, chunks of requests already over or aborted). Each choice's
+chunks go through a ``ChoiceOrder`` (``gateway.reorder``): the stream passes them on in index
+order, each token once, and ends once every choice has had its finished chunk *and* every token
+before it (token 0 comes from another socket than the decode worker's last chunk and may arrive
+after it).
 
 With the coordinator gone (no ``ClusterState`` for ``state_timeout_s``), a request nothing
 has answered fails (503), and so does one that has had no message for as long: it waits on
@@ -36,15 +38,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from gateway.backend import (
-    Backend,
-    BackendError,
-    GenerateRequest,
-    ModelInfo,
-    TokenEvent,
-    TokenLogprobs,
-    WorkerStats,
-)
+from gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
+from gateway.reorder import ChoiceOrder
 from protocol import messages as m
 from protocol import security
 from protocol.codec import ProtocolError, decode, encode
@@ -66,28 +61,6 @@ class _Pending:
     last_at: float = 0.0  # when the last message for it arrived (or it was sent)
 
 
-@dataclass
-class _ChoiceStream:
-    """One choice's events, released in token order; duplicates (a resumed choice's worker
-    repeating what a dead one sent, or a late chunk) are dropped."""
-
-    tokens: list[int] = field(default_factory=list)  # passed on so far, in order
-    pending: dict[int, TokenEvent] = field(default_factory=dict)  # ahead of the next index
-    done: bool = False
-
-    def push(self, event: TokenEvent) -> list[TokenEvent]:
-        if self.done or event.index < len(self.tokens):
-            return []
-        self.pending[event.index] = event
-        ready = []
-        while len(self.tokens) in self.pending and not self.done:
-            nxt = self.pending.pop(len(self.tokens))
-            self.tokens += nxt.token_ids
-            self.done = nxt.finish_reason is not None
-            ready.append(nxt)
-        return ready
-
-
 def sampling_spec(kwargs: dict) -> m.SamplingSpec:
     """``GenerateRequest.sampling`` (SamplingParams keyword arguments) on the wire."""
     try:
@@ -96,28 +69,13 @@ def sampling_spec(kwargs: dict) -> m.SamplingSpec:
         raise BackendError(f"sampling parameters the protocol cannot carry: {e}", 500) from e
 
 
-def token_event(chunk: m.TokenChunk) -> TokenEvent:
-    """The app's event for one chunk; a chunk that ends its choice without a reason the app
-    knows (an abort the gateway never asked for) fails the request."""
-    reason = chunk.finish_reason if chunk.finished else None
-    if chunk.finished and reason not in FINISH_REASONS:
+def check_finish(chunk: m.TokenChunk) -> None:
+    """A chunk that ends its choice without a reason the app knows (an abort the gateway never
+    asked for) fails the request, wherever it falls in the choice's order."""
+    if chunk.finished and chunk.finish_reason not in FINISH_REASONS:
+        reason = chunk.finish_reason
         what = "was aborted by the cluster" if reason == "abort" else f"ended with {reason!r}"
         raise BackendError(f"request {chunk.request_id} choice {chunk.choice} {what}", 503)
-    logprobs = None
-    if chunk.logprobs is not None:
-        logprobs = [
-            TokenLogprobs(lp.logprob, tuple((int(t), float(v)) for t, v in lp.top))
-            for lp in chunk.logprobs
-        ]
-    return TokenEvent(
-        choice=chunk.choice,
-        index=chunk.index,
-        token_ids=list(chunk.token_ids),
-        logprobs=logprobs,
-        finish_reason=reason,
-        num_prompt_tokens=chunk.num_prompt_tokens,
-        num_cached_tokens=chunk.num_cached_tokens,
-    )
 
 
 class ZmqBackend(Backend):
@@ -191,7 +149,7 @@ class ZmqBackend(Backend):
 
     # ---- Backend -----------------------------------------------------------------------------
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[m.TokenChunk]:
         rid = request.request_id
         if self._coordinator is None:
             raise BackendError("the gateway is not connected to a coordinator", 503)
@@ -264,12 +222,12 @@ class ZmqBackend(Backend):
 
     # ---- internals ---------------------------------------------------------------------------
 
-    async def _events(self, request: m.Generate, pending: _Pending) -> AsyncIterator[TokenEvent]:
-        """Each choice's events in token order. A choice whose worker died mid-stream (a
+    async def _events(self, request: m.Generate, pending: _Pending) -> AsyncIterator[m.TokenChunk]:
+        """Each choice's chunks in token order. A choice whose worker died mid-stream (a
         retryable error) resumes on another worker after the tokens already passed on, up to
         ``max_migrations`` times; the stream goes on with no gap or repeat in its indices."""
         rid, n = request.request_id, request.n
-        streams = [_ChoiceStream() for _ in range(n)]
+        streams = [ChoiceOrder() for _ in range(n)]
         migrations = [0] * n
         try:
             while not all(st.done for st in streams):
@@ -293,21 +251,21 @@ class ZmqBackend(Backend):
                         rid,
                         c,
                         item.message,
-                        len(streams[c].tokens),
+                        len(streams[c].token_ids),
                         migrations[c],
                         self.max_migrations,
                     )
-                    streams[c].pending.clear()  # the new worker sends these again
+                    streams[c].restart()  # the new worker sends what is held again
                     resume = dataclasses.replace(
-                        request, resume_choice=c, resume_token_ids=list(streams[c].tokens)
+                        request, resume_choice=c, resume_token_ids=list(streams[c].token_ids)
                     )
                     if not await self._send(encode(resume)):
                         raise BackendError(item.message, item.status)
                     continue
-                event = token_event(item)
-                if not 0 <= event.choice < n:
-                    raise BackendError(f"request {rid}: choice {event.choice} but n={n}", 500)
-                for ready in streams[event.choice].push(event):
+                check_finish(item)
+                if not 0 <= item.choice < n:
+                    raise BackendError(f"request {rid}: choice {item.choice} but n={n}", 500)
+                for ready in streams[item.choice].push(item):
                     yield ready
         finally:
             if self._pending.get(rid) is pending:

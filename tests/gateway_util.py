@@ -24,27 +24,20 @@ from fastapi import FastAPI
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionState
 from gateway.app import create_app
-from gateway.backend import (
-    Backend,
-    BackendError,
-    GenerateRequest,
-    ModelInfo,
-    TokenEvent,
-    TokenLogprobs,
-    WorkerStats,
-)
+from gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.reorder import ChoiceOrder
 from protocol import messages as m
 from protocol.codec import encode
 from protocol.sockets import bound_address, make_socket, recv_msg
 
 
-def fake_logprobs(token_id: int, index: int, k: int, vocab_size: int) -> TokenLogprobs:
+def fake_logprobs(token_id: int, index: int, k: int, vocab_size: int) -> m.TokenLogprob:
     """Deterministic logprobs: -(index + 1) / 10 for the sampled token, alternatives below it."""
     lp = -(index + 1) / 10
-    top = tuple(((token_id + j) % vocab_size, lp - j) for j in range(k))
-    return TokenLogprobs(lp, top)
+    top = [((token_id + j) % vocab_size, lp - j) for j in range(k)]
+    return m.TokenLogprob(token_id, lp, 1, top)
 
 
 @dataclass
@@ -54,18 +47,21 @@ class Script:
     choices: list[list[int]]
     finish: str = "stop"  # finish reason when a choice's ids run out (its last id is the eos)
     prefill_last: bool = False  # token 0 of every choice arrives after all decode tokens
-    decode_batch: int = 1  # tokens per decode event
+    decode_batch: int = 1  # tokens per decode chunk
+    repeat: bool = False  # every decode chunk comes twice, the second after the next one
+    drop: int | None = None  # the chunk at this token index never comes (a gap never filled)
+    interval_s: float = 0.0  # between two chunks (0: the loop still runs in between)
     cached_tokens: int = 0
-    fail_after: int | None = None  # raise BackendError instead of the k-th event
-    hang_after: int | None = None  # send k events, then nothing until aborted
+    fail_after: int | None = None  # raise BackendError instead of the k-th chunk
+    hang_after: int | None = None  # send k chunks, then nothing until aborted
     reject_status: int | None = None  # refuse the submit with this status
     crash_on_submit: bool = False  # a bug in the backend client, not a refusal
     hang_on_submit: bool = False  # submit never returns (it can be cancelled)
     vocab_size: int = 2048
 
 
-def plan(request: GenerateRequest, script: Script) -> list[TokenEvent]:
-    """The events prefill + decode workers would send, in the order they arrive."""
+def plan(request: GenerateRequest, script: Script) -> list[m.TokenChunk]:
+    """The chunks prefill + decode workers would send, in the order they arrive."""
     max_tokens = request.sampling["max_tokens"]
     k = request.sampling.get("logprobs")
     prefill, decode = [], []
@@ -77,8 +73,9 @@ def plan(request: GenerateRequest, script: Script) -> list[TokenEvent]:
             (i, min(i + script.decode_batch, len(ids)))
             for i in range(1, len(ids), script.decode_batch)
         ]
-        events = [
-            TokenEvent(
+        chunks = [
+            m.TokenChunk(
+                request_id=request.request_id,
                 choice=c,
                 index=start,
                 token_ids=ids[start:end],
@@ -88,19 +85,25 @@ def plan(request: GenerateRequest, script: Script) -> list[TokenEvent]:
                     fake_logprobs(t, start + j, k, script.vocab_size)
                     for j, t in enumerate(ids[start:end])
                 ],
+                finished=end == len(ids),
                 finish_reason=finish if end == len(ids) else None,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=script.cached_tokens if start == 0 else 0,
             )
             for start, end in spans
+            if start != script.drop
         ]
-        prefill.append(events[0])
-        decode.append(events[1:])
+        if chunks and chunks[0].index == 0:
+            prefill.append(chunks.pop(0))
+        if script.repeat:  # each one again after the next: a resumed worker, a late chunk
+            chunks = [x for i in range(len(chunks)) for x in (chunks[i], *chunks[i - 1 : i])]
+            chunks += chunks[-1:]
+        decode.append(chunks)
     interleaved = [e for step in _round_robin(decode) for e in step]
     return interleaved + prefill if script.prefill_last else prefill + interleaved
 
 
-def _round_robin(lists: list[list[TokenEvent]]) -> list[list[TokenEvent]]:
+def _round_robin(lists: list[list[m.TokenChunk]]) -> list[list[m.TokenChunk]]:
     longest = max((len(x) for x in lists), default=0)
     return [[x[i] for x in lists if i < len(x)] for i in range(longest)]
 
@@ -122,7 +125,7 @@ class FakeBackend(Backend):
         self.submitted.clear()
         self.aborted.clear()
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[m.TokenChunk]:
         script = self.script
         if script.crash_on_submit:
             raise RuntimeError("client bug")
@@ -134,15 +137,20 @@ class FakeBackend(Backend):
         self._abort_events[request.request_id] = asyncio.Event()
         return self._events(request, script)
 
-    async def _events(self, request: GenerateRequest, script: Script) -> AsyncIterator[TokenEvent]:
-        for i, event in enumerate(plan(request, script)):
-            await asyncio.sleep(0)
+    async def _events(
+        self, request: GenerateRequest, script: Script
+    ) -> AsyncIterator[m.TokenChunk]:
+        """The plan's chunks as they arrive, through the reorder every backend uses."""
+        orders = [ChoiceOrder() for _ in range(request.n)]
+        for i, chunk in enumerate(plan(request, script)):
+            await asyncio.sleep(script.interval_s)
             if i == script.fail_after:
                 raise BackendError("decode worker died", 500)
             if i == script.hang_after:
                 await self._abort_events[request.request_id].wait()
                 return
-            yield event
+            for ready in orders[chunk.choice].push(chunk):
+                yield ready
 
     async def abort(self, request_id: str) -> None:
         await asyncio.sleep(0)  # a real abort sends a message: it suspends, and can be cancelled

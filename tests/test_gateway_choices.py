@@ -1,4 +1,4 @@
-"""The per-choice state machine: ordering by token index, eos hiding, stop strings, logprobs."""
+"""The per-choice state machine: in-order chunks, eos hiding, stop strings, logprobs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from engine.tokenizer import Tokenizer
-from gateway.backend import BackendError, TokenEvent, TokenLogprobs
+from gateway.backend import BackendError
 from gateway.choices import ChoiceState, ChoiceUpdate
 from gateway.logprobs import LogprobEntry, TokenTexts
+from protocol.messages import TokenChunk, TokenLogprob
 
 HELLO = [39, 327, 302, 891, 372, 0, 342, 948, 13]  # H|el|lo| wor|ld|!| The| end|.
 EMOJI = [573, 322, 246, 222]  # é + 😀 in three byte tokens
@@ -24,21 +25,29 @@ def tokenizer(model_dirs: dict[str, Path]) -> Tokenizer:
     return tok
 
 
-def ev(index: int, ids: list[int], finish: str | None = None, **kw: object) -> TokenEvent:
-    return TokenEvent(choice=0, index=index, token_ids=ids, finish_reason=finish, **kw)  # type: ignore[arg-type]
+def ev(
+    index: int, ids: list[int], finish: str | None = None, logprobs: list | None = None
+) -> TokenChunk:
+    return TokenChunk("r", 0, index, ids, logprobs, finish is not None, finish, 3, 0)
 
 
-def test_events_are_consumed_in_token_order(tokenizer: Tokenizer) -> None:
+def test_chunks_are_consumed_as_they_come(tokenizer: Tokenizer) -> None:
     c = ChoiceState(3, tokenizer)
-    assert c.add(ev(3, HELLO[3:5])) is None  # decode tokens overtake the prefill's token 0
-    assert c.add(ev(1, HELLO[1:3])) is None
-    assert c.add(ev(0, HELLO[:1])) == ChoiceUpdate(3, "Hello world", 5, first=True)
+    assert c.add(ev(0, HELLO[:1])) == ChoiceUpdate(3, "H", 1, first=True)
+    assert c.add(ev(1, HELLO[1:5])) == ChoiceUpdate(3, "ello world", 4)
     assert c.add(ev(5, [*HELLO[5:], EOS], "stop")) == ChoiceUpdate(
         3, "! The end.", 5, False, "stop"
     )
     assert (c.finished, c.num_tokens, c.backend_finished, c.stopped_by_stop_string) == (
         True, 10, True, False,
     )  # fmt: skip
+
+
+def test_a_finish_reason_without_finished_is_not_the_end(tokenizer: Tokenizer) -> None:
+    c = ChoiceState(0, tokenizer)
+    unfinished = TokenChunk("r", 0, 0, [39, EOS], None, False, "stop", 3, 0)
+    assert c.add(unfinished) == ChoiceUpdate(0, "H", 2, first=True)
+    assert not c.finished and not c.backend_finished
 
 
 def test_eos_counts_but_is_not_shown_even_unskipped(tokenizer: Tokenizer) -> None:
@@ -73,19 +82,20 @@ def test_held_text_is_flushed_on_finish(tokenizer: Tokenizer) -> None:
     assert c.add(ev(4, [], "length")) == ChoiceUpdate(0, " wor", 0, False, "length")
 
 
-def test_duplicate_index_is_a_backend_error(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("index", [0, 2])  # a repeat, a gap: the backend reorders, never here
+def test_a_chunk_out_of_order_is_a_backend_error(tokenizer: Tokenizer, index: int) -> None:
     c = ChoiceState(0, tokenizer)
     c.add(ev(0, [39]))
-    with pytest.raises(BackendError, match="token index 0 arrived twice"):
-        c.add(ev(0, [39]))
+    with pytest.raises(BackendError, match=f"choice 0: token index {index} came, 1 expected"):
+        c.add(ev(index, [72]))
 
 
 def test_logprobs_with_text_offsets(tokenizer: Tokenizer) -> None:
     c = ChoiceState(0, tokenizer, token_texts=TokenTexts(tokenizer))
     lps = [
-        TokenLogprobs(-0.5, ((573, -0.5), (39, -2.0))),
-        TokenLogprobs(-0.25),
-        TokenLogprobs(-1.0),
+        TokenLogprob(573, -0.5, 1, [(573, -0.5), (39, -2.0)]),
+        TokenLogprob(322, -0.25, 1, []),
+        TokenLogprob(246, -1.0, 1, []),
     ]
     update = c.add(ev(0, EMOJI[:3], logprobs=lps))
     assert update is not None and update.text == "é"

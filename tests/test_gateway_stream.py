@@ -11,11 +11,15 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from gateway.backend import GenerateRequest
+from gateway.choices import ChoiceUpdate
 from gateway.generation import Generation, Usage
 from gateway.jobs import Job
 from gateway.metrics import GatewayMetrics
 from gateway.stream import (
     ChoiceResult,
+    ChunkEvents,
+    chunk_body,
+    chunk_choice,
     collect,
     response_body,
     sse,
@@ -149,11 +153,15 @@ def test_two_choices_out_of_order_and_stop_string(tokenizer: Tokenizer) -> None:
     script = Script([[*HI, EOS], [39, 72, EOS]], prefill_last=True)
     j = job("chat", n=2, stops=["the"])
     events = run_stream(backend := fake(script), tokenizer, j)
-    # Decode tokens (1..) arrive first and wait for token 0; " the" completes the stop string
-    # "the", so choice 0 ends at token 2.
+    # Decode tokens (1..) arrive first and wait for token 0, then go out one event each (the
+    # reader keeps up); " the" completes the stop string "the", so choice 0 ends at token 2.
     assert events == [
-        chat_chunk([delta("Hi ", role=True, index=0, finish="stop")]),
-        chat_chunk([delta("Hi", role=True, index=1, finish="stop")]),  # all at once
+        chat_chunk([delta("H", role=True, index=0)]),
+        chat_chunk([delta("i", index=0)]),
+        chat_chunk([delta(" ", index=0, finish="stop")]),
+        chat_chunk([delta("H", role=True, index=1)]),
+        chat_chunk([delta("i", index=1)]),
+        chat_chunk([delta(None, index=1, finish="stop")]),
         "[DONE]",
     ]
     assert backend.aborted == []  # every event came before token 0: nothing left to abort
@@ -249,3 +257,19 @@ def test_sse_escapes_what_line_splitters_break_on() -> None:
     assert event == 'data: {"text":"a\\u2028b\\u2029c\\u0085d é 中"}\n\n'
     assert event[:-2].splitlines() == [event[:-2]]
     assert json.loads(event[len("data: ") :]) == body
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"include_usage": True}, {"include_usage": True, "continuous_usage": True},
+     {"system_fingerprint": "fp\u2028x"}],
+)  # fmt: skip
+def test_chunk_events_are_the_chunk_bodies_to_the_byte(kind: str, options: dict) -> None:
+    j = job(kind, **options)
+    j = Job(**{**j.__dict__, "model": 'ti"ny\u2029 "choices":[é'})  # what the envelope escapes
+    events = ChunkEvents(j)
+    for update in [ChoiceUpdate(0, 'a\u2028"b', 1, True), ChoiceUpdate(0, "", 1, False, "stop")]:
+        choice = chunk_choice(j, update, update.first, [])
+        usage = Usage(3, 1, 0) if j.continuous_usage else None
+        assert events.event(choice, usage) == sse(chunk_body(j, [choice], usage))

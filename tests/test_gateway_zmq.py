@@ -26,10 +26,10 @@ import zmq
 from fastapi import FastAPI
 
 from engine.tokenizer import Tokenizer
-from gateway.backend import BackendError, GenerateRequest, TokenEvent, TokenLogprobs
+from gateway.backend import BackendError, GenerateRequest
 from gateway.config import GatewayConfig
 from gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
-from gateway.zmq_backend import ZmqBackend, sampling_spec, token_event
+from gateway.zmq_backend import ZmqBackend, check_finish, sampling_spec
 from protocol import messages as m
 from protocol.codec import ProtocolError, decode, encode
 from protocol.sockets import make_socket
@@ -334,20 +334,17 @@ def test_metrics_has_per_worker_gauges(url: str) -> None:
         assert families[name] == ("gauge", {(name, prefill): p, (name, decode_): d})
 
 
-def test_token_event_from_chunk() -> None:
-    lp = m.TokenLogprob(token_id=7, logprob=-0.5, rank=1, top=[(7, -0.5), (9, -1.25)])
-    chunk_ = m.TokenChunk("r", 1, 3, [7], [lp], True, "length", 12, 8)
-    assert token_event(chunk_) == TokenEvent(
-        choice=1, index=3, token_ids=[7], logprobs=[TokenLogprobs(-0.5, ((7, -0.5), (9, -1.25)))],
-        finish_reason="length", num_prompt_tokens=12, num_cached_tokens=8,
-    )  # fmt: skip
-    unfinished = m.TokenChunk("r", 0, 0, [7], None, False, "stop", 12, 0)
-    assert token_event(unfinished).finish_reason is None
+def test_a_finish_the_gateway_never_asked_for_fails_the_request() -> None:
+    for reason in ("stop", "length"):
+        check_finish(m.TokenChunk("r", 0, 0, [7], None, True, reason, 12, 0))
+    check_finish(m.TokenChunk("r", 0, 0, [7], None, False, "abort", 12, 0))  # not finished
     with pytest.raises(BackendError) as aborted:
-        token_event(m.TokenChunk("r", 0, 0, [], None, True, "abort", 12, 0))
+        check_finish(m.TokenChunk("r", 0, 0, [], None, True, "abort", 12, 0))
     assert (aborted.value.status, aborted.value.message) == (
         503, "request r choice 0 was aborted by the cluster",
     )  # fmt: skip
+    with pytest.raises(BackendError, match="request r choice 1 ended with 'eos'"):
+        check_finish(m.TokenChunk("r", 1, 3, [], None, True, "eos", 12, 0))
 
 
 def test_sampling_spec() -> None:
