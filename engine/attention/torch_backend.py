@@ -1,22 +1,26 @@
-"""Attention over the paged cache with plain torch ops (SDPA for prefill, bmm for decode).
+"""Attention over the paged cache: plain torch ops (SDPA for prefill, bmm for decode), and on
+CPU a C kernel for decode rows.
 
 Works on CPU and CUDA. Prefill chunks attend one sequence at a time (causal, offset by the
-tokens already cached) through ``scaled_dot_product_attention``. Single-token decode rows go
-in groups of similar context lengths: their K and V blocks gathered once, head-major, into
-buffers kept from step to step (a fresh multi-megabyte tensor per layer per step cost more in
-page faults than the copy itself), then two ``bmm`` read the gathered blocks in place. Measured on
-SmolLM2-135M at 32 streams of ~270 tokens, one core: SDPA over a transposed copy spent 55% of
-the step in attention (gather, transposing copy, SDPA's masked kernel).
+tokens already cached) through ``scaled_dot_product_attention``. Single-token decode rows on a
+CPU go to ``cpu_decode.c`` (see ``cpu_kernel.py``) where it builds and reads the dtype
+(float32, bf16): K and V read in place through the block tables, one call a layer for every
+decode row. Otherwise (CUDA, fp16, no compiler, ``cpu_kernel=False``: the reference path)
+they go in groups of similar context lengths: their K and V blocks gathered once, head-major,
+into buffers kept from step to step (a fresh multi-megabyte tensor per layer per step cost
+more in page faults than the copy itself), then two ``bmm`` read the gathered blocks in place.
 
 Per-step work is planned once and shared by every layer: the cache positions of the new K/V
-(``KVSlots``) and, for decode rows, the gather index and padding bias. A step of decode rows
-only, in one group, reads q and returns the output with no gather or scatter of rows; its
-attention is plain functions of tensors (``write_kv_slots``, ``decode_attention``), which is
-what a compiled decode step calls (engine/compile.py).
+(``KVSlots``) and, for decode rows, the kernel's ``KernelPlan`` or (built at first use) the
+gather index and padding bias. A step of decode rows only, in one group, reads q and returns
+the output with no gather or scatter of rows; its torch attention is plain functions of
+tensors (``write_kv_slots``, ``decode_attention``), which is what a compiled decode step calls
+(engine/compile.py keeps the torch path).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -24,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_kernel import CpuDecodeKernel, KernelPlan, load_kernel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -128,14 +135,21 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     strided_inputs = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cpu_kernel: bool = True) -> None:
+        """``cpu_kernel``: on a CPU device, decode rows go to the C kernel where it builds and
+        supports the dtype (float32, bf16); False keeps the torch path (the reference)."""
         self.device = device
         self._work = _Workspace(device)
         self._slots: KVSlots | None = None
         self._block_size = 0
         self._prefills: list[_PrefillItem] = []
-        self._decode: list[_DecodeGroup] = []
-        self._decode_only = False
+        self._decode_rows: tuple[list[int], list[list[int]], list[int]] = ([], [], [])
+        self._decode: list[_DecodeGroup] | None = None  # torch path, built on first use a step
+        self._kernel = load_kernel() if cpu_kernel and device.type == "cpu" else None
+        if self._kernel is not None:
+            self.name = "torch+cpu-kernel"  # what the start-up log line says
+        self._kernel_plan: KernelPlan | None = None
+        self._kernel_refused: set[tuple] = set()
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._slots = KVSlots.from_slots(metadata.slot_mapping, metadata.block_size)
@@ -167,18 +181,31 @@ class TorchAttentionBackend(AttentionBackend):
                 blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
                 self._prefills.append(_PrefillItem(start, start + q_len, blocks, seq_len, mask))
             start += q_len
-        order = sorted(range(len(decode_rows)), key=lambda i: len(decode_tables[i]))
-        # rows in step order within each group (see _decode_only)
-        self._decode = [
-            self._decode_group(
-                [decode_rows[i] for i in group],
-                [decode_tables[i] for i in group],
-                [decode_lens[i] for i in group],
-                bs,
-            )
-            for group in map(sorted, _buckets(order, [len(t) for t in decode_tables]))
-        ]
-        self._decode_only = not self._prefills and len(self._decode) == 1
+        self._decode_rows = (decode_rows, decode_tables, decode_lens)
+        self._decode = None
+        self._kernel_plan = None
+        if self._kernel is not None and decode_rows:
+            self._kernel_plan = KernelPlan.build(decode_rows, decode_lens, decode_tables, bs)
+
+    def _groups(self) -> list[_DecodeGroup]:
+        """The torch path's decode groups, rows in step order within each (see ``_one_group``)."""
+        if self._decode is None:
+            rows, tables, lens = self._decode_rows
+            order = sorted(range(len(rows)), key=lambda i: len(tables[i]))
+            self._decode = [
+                self._decode_group(
+                    [rows[i] for i in group],
+                    [tables[i] for i in group],
+                    [lens[i] for i in group],
+                    self._block_size,
+                )
+                for group in map(sorted, _buckets(order, [len(t) for t in tables]))
+            ]
+        return self._decode
+
+    def _one_group(self) -> bool:
+        """Decode rows only, in one group: rows 0..T-1 in order, no gather or scatter of q."""
+        return not self._prefills and len(self._groups()) == 1
 
     def _decode_group(
         self, rows: list[int], tables: list[list[int]], lens: list[int], bs: int
@@ -207,9 +234,10 @@ class TorchAttentionBackend(AttentionBackend):
         if self._slots is None:
             raise RuntimeError("plan() must run before forward()")
         write_kv_slots(kv_cache, self._slots, k, v)
-        if self._decode_only:  # rows 0..T-1 in order: no gather or scatter of q rows
-            return self._decode_attention(q, kv_cache, self._decode[0], scale)
-        out = torch.empty_like(q)
+        kernel = self._kernel_for(q, kv_cache)
+        if kernel is None and self._one_group():
+            return self._decode_attention(q, kv_cache, self._groups()[0], scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for item in self._prefills:
             kc, vc = _gather(kv_cache, item.blocks, item.seq_len)  # [L, KV, D]
             qs = q[item.start : item.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
@@ -223,16 +251,35 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[item.start : item.end] = o[0].transpose(0, 1)
-        for group in self._decode:
+        if kernel is not None and self._kernel_plan is not None:
+            kernel.run(q, kv_cache, self._kernel_plan, scale, out)
+            return out
+        for group in self._groups():
             out[group.rows] = self._decode_attention(q[group.rows], kv_cache, group, scale)
         return out
+
+    def _kernel_for(self, q: torch.Tensor, kv_cache: torch.Tensor) -> CpuDecodeKernel | None:
+        """The C kernel when this step has decode rows and it reads these tensors."""
+        if self._kernel is None or self._kernel_plan is None:
+            return None
+        if self._kernel.supports(q, kv_cache):
+            return self._kernel
+        key = (q.dtype, kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
+        if key not in self._kernel_refused:
+            self._kernel_refused.add(key)
+            logger.info(
+                "CPU decode attention kernel reads float32 / bf16, head sizes a multiple of 16; "
+                "%s queries over a %s cache, block %d, head %d: decode attention through torch",
+                *key,
+            )
+        return None
 
     def decode_step(self, heads: int) -> tuple[KVSlots, torch.Tensor, torch.Tensor] | None:
         """A planned step of decode rows only, in one group, as tensors alone: (slots, gather
         index, bias) for ``decode_attention``; None for any other step."""
-        if self._slots is None or not self._decode_only:
+        if self._slots is None or not self._one_group():
             return None
-        group = self._decode[0]
+        group = self._groups()[0]
         index, bias = group.gather_plan(heads, self._block_size)
         return self._slots, index, bias
 

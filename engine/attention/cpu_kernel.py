@@ -1,0 +1,179 @@
+"""The CPU paged decode attention kernel (``cpu_decode.c``): built at first use, loaded by ctypes.
+
+Built with the system C compiler into ``$PDSERVE_HOME/kernels/cpu_decode-<sha>.so``, the sha
+over the source, the flags, the compiler and this CPU (``-march=native``); written under a
+temporary name and renamed, so processes starting together each build or find a whole file.
+No compiler, a failed build or an unwritable cache directory: ``load_kernel()`` is None and
+the torch backend keeps its gather + bmm path (logged once at INFO).
+
+It reads float32 and bfloat16 caches. ``KernelPlan`` is its per-step input, built once in the
+backend's ``plan`` and shared by every layer::
+
+    plan int32: rows[B] | lens[B] | indptr[B + 1] | pages[sum of blocks used]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.envs import pdserve_home
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+COMPILERS = ("cc", "gcc")
+SYMBOL = "pdserve_paged_decode"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
+# Below this many K/V rows a layer (context tokens x KV heads, summed over sequences) one
+# thread does the layer: waking a second one costs more than it saves (measured: ~1,000).
+PARALLEL_MIN_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """A step's decode rows for the kernel: one int32 tensor (layout in the module docstring)."""
+
+    data: torch.Tensor
+    num_seqs: int
+    tokens: int  # context positions attended, summed over sequences
+
+    @classmethod
+    def build(
+        cls, rows: list[int], lens: list[int], tables: list[list[int]], block_size: int
+    ) -> KernelPlan:
+        indptr, pages = [0], []
+        for seq_len, table in zip(lens, tables, strict=True):
+            pages.extend(table[: -(-seq_len // block_size)])
+            indptr.append(len(pages))
+        # through numpy: 3x faster than torch.tensor on a list of ints
+        data = torch.from_numpy(np.array(rows + lens + indptr + pages, dtype=np.int32))
+        return cls(data, len(rows), sum(lens))
+
+
+class CpuDecodeKernel:
+    """``run`` attends every planned decode row of ``q`` into the same row of ``out``."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = getattr(lib, SYMBOL)
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i64, i32, i32]
+        fn.restype = None
+        self._fn = fn
+
+    @staticmethod
+    def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """float32 or bfloat16 CPU tensors of one dtype, head size a multiple of 16, block size
+        a power of two, the cache contiguous and each q row's heads contiguous."""
+        block_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+        return (
+            q.dtype == kv_cache.dtype
+            and q.dtype in DTYPES
+            and q.device.type == kv_cache.device.type == "cpu"
+            and head_dim % 16 == 0
+            and block_size & (block_size - 1) == 0
+            and kv_cache.is_contiguous()
+            and q.stride(2) == 1
+            and q.stride(1) == head_dim
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D]
+        plan: KernelPlan,
+        scale: float,
+        out: torch.Tensor,  # [T, H, D] contiguous, q's dtype
+        threads: int | None = None,  # None: torch's, for steps of PARALLEL_MIN_ROWS or more
+    ) -> None:
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        if threads is None:
+            big = plan.tokens * kv_heads >= PARALLEL_MIN_ROWS
+            threads = torch.get_num_threads() if big else 1
+        self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            plan.data.data_ptr(),
+            plan.num_seqs,
+            q.shape[1],
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            DTYPES[q.dtype],
+            threads,
+        )
+
+
+def find_compiler() -> str | None:
+    return next(filter(None, map(shutil.which, COMPILERS)), None)
+
+
+@functools.cache
+def load_kernel() -> CpuDecodeKernel | None:
+    """The kernel, built on first use in this process; None (logged once) when it cannot be."""
+    compiler = find_compiler()
+    if compiler is None:
+        logger.info("no C compiler (%s): CPU decode attention through torch", "/".join(COMPILERS))
+        return None
+    try:
+        return CpuDecodeKernel(ctypes.CDLL(str(build(compiler))))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.info("CPU decode attention kernel unavailable, through torch instead: %s", exc)
+        return None
+
+
+def build(compiler: str, cache_dir: Path | None = None) -> Path:
+    """The kernel's shared library, compiled unless a matching one is cached."""
+    cache_dir = cache_dir or pdserve_home() / "kernels"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source)
+    for part in (*FLAGS, compiler, _compiler_version(compiler), _cpu_id()):
+        key.update(part.encode() + b"\0")
+    target = cache_dir / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_decode-", suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _compiler_version(compiler: str) -> str:
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    return done.stdout.split("\n", 1)[0]
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = ("model name", "flags", "cpu family", "model\t")
+    return "\n".join(line for line in info.splitlines() if line.startswith(keep))
