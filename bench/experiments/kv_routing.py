@@ -58,6 +58,14 @@ FIGURES = (  # (key in a run's figures, label, format)
     ("prefill_tokens", "prompt tokens computed, every turn (workers' /metrics)", "{:.0f}"),
     ("kv_mb_sent", "KV MB moved, every turn (workers' /metrics)", "{:.1f}"),
 )
+TURN_KEYS = (
+    "median_ttft_ms",
+    "median_tpot_ms",
+    "prompt_tokens",
+    "cached_tokens",
+    "completed",
+    "requests",
+)
 WORKLOAD_KEYS = (
     "max_local_prefill_tokens",
     "conversations",
@@ -173,7 +181,8 @@ def run_arm(args: argparse.Namespace, model: str, arm: str, seed: int, out: Path
     finally:
         cluster.stop()
     result = json.loads(out.read_text())
-    turns = result["per_turn"]["3+"]
+    # (none with --turns 2: a run to subtract from a longer one's totals gives turns 3+ alone)
+    turns = result["per_turn"].get("3+") or dict.fromkeys(TURN_KEYS, 0)
     cached = turns["cached_tokens"] or 0
     return {
         "arm": arm,
