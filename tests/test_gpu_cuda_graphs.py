@@ -83,7 +83,7 @@ class NoKernels:
 def test_graphs_off_reasons_and_flag(tiny_dir) -> None:
     import argparse
 
-    torch_backend = TorchAttentionBackend(torch.device("cpu"))
+    torch_backend = TorchAttentionBackend(torch.device("cpu"), cpu_kernel=False)
     eager = EngineConfig(model="m", enforce_eager=True)
     assert graphs_unusable_reason(eager, torch_backend, torch.bfloat16, 128) == (
         "enforce_eager is set"
