@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from bench.datasets import BenchRequest
+from pdserve.bench.datasets import BenchRequest
 
 
 def parse_rate(text: str) -> float:

@@ -19,7 +19,7 @@ import sys
 
 import httpx
 
-from bench.client import ENDPOINTS
+from pdserve.bench.client import ENDPOINTS
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +111,7 @@ def _json_object(text: str) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from bench.harness import run
+    from pdserve.bench.harness import run
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     try:

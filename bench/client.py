@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from bench.datasets import BenchRequest
-from bench.metrics import RequestOutput
+from pdserve.bench.datasets import BenchRequest
+from pdserve.bench.metrics import RequestOutput
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 

@@ -30,8 +30,8 @@ class ServeProcess:
         log: Path | None = None,
         ready_timeout_s: float = 180.0,
     ) -> None:
-        from launch.serve import pdserve_command
-        from protocol.sockets import free_port
+        from pdserve.launch.serve import pdserve_command
+        from pdserve.protocol.sockets import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

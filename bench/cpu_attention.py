@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from engine.attention.cpu_kernel import load_kernel  # noqa: E402
-from engine.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner, StepInputs  # noqa: E402
+from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from pdserve.engine.attention.cpu_kernel import load_kernel  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
+from pdserve.engine.model_runner import ModelRunner, StepInputs  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache/pdserve/models/smollm2-135m-instruct"
 CPU = torch.device("cpu")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.prompts import PromptMaker
+from pdserve.bench.prompts import PromptMaker
 
 
 @dataclass(frozen=True)

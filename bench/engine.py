@@ -14,18 +14,14 @@ This is an engine benchmark, so unlike the client harness it imports torch and t
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.model_store import DEFAULT_MODEL, resolve_model
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:

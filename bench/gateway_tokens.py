@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -25,16 +24,15 @@ import zmq
 import zmq.asyncio
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from engine.tokenizer import Tokenizer  # noqa: E402
-from gateway.backend import GenerateRequest  # noqa: E402
-from gateway.generation import Generation  # noqa: E402
-from gateway.jobs import Job  # noqa: E402
-from gateway.stream import stream_events  # noqa: E402
-from gateway.zmq_backend import ZmqBackend  # noqa: E402
-from protocol import messages as m  # noqa: E402
-from protocol.codec import decode, encode  # noqa: E402
+from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
+from pdserve.gateway.backend import GenerateRequest  # noqa: E402
+from pdserve.gateway.generation import Generation  # noqa: E402
+from pdserve.gateway.jobs import Job  # noqa: E402
+from pdserve.gateway.stream import stream_events  # noqa: E402
+from pdserve.gateway.zmq_backend import ZmqBackend  # noqa: E402
+from pdserve.protocol import messages as m  # noqa: E402
+from pdserve.protocol.codec import decode, encode  # noqa: E402
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the gateway turns every token into a "
@@ -117,7 +115,7 @@ async def one_round(tok: Tokenizer, args: argparse.Namespace, ids: list[int]) ->
 def main() -> None:
     args = parse_args()
     if args.model is None:
-        from engine.make_model import default_model_dir
+        from pdserve.engine.make_model import default_model_dir
 
         args.model = str(default_model_dir("tiny"))
     tok = Tokenizer.from_dir(args.model)

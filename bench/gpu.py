@@ -38,9 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from engine import platform  # noqa: E402
+from pdserve.engine import platform  # noqa: E402
 
 
 @dataclass
@@ -82,7 +81,7 @@ def capabilities() -> dict[str, tuple[bool, str]]:
 
 def run_sections(table: dict[str, Row], caps: dict[str, tuple[bool, str]]) -> None:
     """Each section fills its rows; one that raises marks its unfilled rows as errors."""
-    from bench import gpu_attention, gpu_model, gpu_serving
+    from pdserve.bench import gpu_attention, gpu_model, gpu_serving
 
     work: dict[str, object] = {}
     sections: list[tuple[list[str], Callable[[], dict[str, str]]]] = [

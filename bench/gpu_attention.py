@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
 
 DEV = torch.device("cuda")
 
@@ -35,7 +35,7 @@ def make_metadata(
 
 
 def attention_errors() -> dict[str, str]:
-    from engine.attention.flashinfer_backend import FlashInferBackend
+    from pdserve.engine.attention.flashinfer_backend import FlashInferBackend
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     cases = {  # (query lens, context lens): prefix hits, whole prompts, decode rows together

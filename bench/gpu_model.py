@@ -20,11 +20,11 @@ from unittest import mock
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.model import CausalLM
-from engine.rope import RotaryEmbedding
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model import CausalLM
+from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.sampling_params import SamplingParams
 
 DEV = torch.device("cuda")
 LLAMA3_8B = {
@@ -117,7 +117,7 @@ def llama8b_engine(kv_bytes: int = 24 * 2**30) -> Iterator[LLMEngine]:
             cache=CacheConfig(kv_cache_memory=kv_bytes, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS),
         )
-        with mock.patch("engine.model_runner.load_model", _random_model):
+        with mock.patch("pdserve.engine.model_runner.load_model", _random_model):
             engine = LLMEngine(config)
         yield engine
 

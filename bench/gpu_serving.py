@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cluster import ServeProcess
+from pdserve.bench.cluster import ServeProcess
 
 OVERLAP = (
     "off: the prefill worker pushes KV after the prompt's last chunk (the GPU senders wait "
@@ -44,7 +44,7 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
 
 
 def serving_rows() -> dict[str, str]:
-    from engine.make_model import default_model_dir
+    from pdserve.engine.make_model import default_model_dir
 
     model = default_model_dir("small")
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,10 +62,10 @@ def serving_rows() -> dict[str, str]:
 
 def _greedy_row(url: str, model: Path) -> str:
     """One request at a time on each side, so both run the same batch shapes."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.tokenizer import Tokenizer
 
     name = _get(f"{url}/v1/models")["data"][0]["id"]
     tok = Tokenizer.from_dir(model)
@@ -93,7 +93,7 @@ def _greedy_row(url: str, model: Path) -> str:
 
 
 def _bench_row(url: str, model: Path, out: Path) -> str:
-    from launch.serve import pdserve_command
+    from pdserve.launch.serve import pdserve_command
 
     cmd = [*pdserve_command(), "bench", f"--base-url={url}", "--num-prompts=64"]
     cmd += ["--random-input-len=512", "--random-output-len=128", "--max-concurrency=16"]
@@ -128,7 +128,7 @@ def _pattern(layers: list[torch.Tensor]) -> None:
 
 def _receiver_main(conn, backend: str, device: int) -> None:
     """Child process: a KV cache and a receiver; expects and checks what the parent sends."""
-    from kvtransfer import make_receiver
+    from pdserve.kvtransfer import make_receiver
 
     if DEVICE == "cuda":
         torch.cuda.set_device(device)
@@ -153,8 +153,8 @@ def _receiver_main(conn, backend: str, device: int) -> None:
 
 def _transfers(backend: str, receiver_device: int) -> list[tuple[str, float, bool]]:
     """(kind, seconds from send to sender DONE, bytes right) per timed transfer."""
-    from kvtransfer import make_sender
-    from kvtransfer.base import KVPoll, TransferSpec
+    from pdserve.kvtransfer import make_sender
+    from pdserve.kvtransfer.base import KVPoll, TransferSpec
 
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -223,7 +223,7 @@ def ipc_bandwidth(work: dict) -> dict[str, str]:
 def nccl_row() -> dict[str, str]:
     if torch.cuda.device_count() >= 2:
         return {"nccl": _rate_row(_transfers("nccl", 1), None) + ", GPU 0 -> GPU 1"}
-    from kvtransfer.nccl_backend import nccl_self_test
+    from pdserve.kvtransfer.nccl_backend import nccl_self_test
 
     equal, detail, rate = nccl_self_test(0)
     verdict = "bytes equal" if equal else "BYTES DIFFER"

@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from bench import datasets as ds
-from bench.client import Target, first_model, prompt_tokens
-from bench.metrics import RequestOutput, Slo, detail, parse_slo, per_turn, summarize
-from bench.multi_turn import MultiTurnSpec, build_conversations, run_conversations
-from bench.prompts import PromptMaker, TokenPrompts, WordPrompts, calibrate, load_tokenizer
-from bench.report import Progress, result_table, save_json, sweep_header, sweep_row
-from bench.runner import RunSpec, make_client, run_requests
-from bench.sweep import best_rate, effective_rate, parse_rates, rates_between
+from pdserve.bench import datasets as ds
+from pdserve.bench.client import Target, first_model, prompt_tokens
+from pdserve.bench.metrics import RequestOutput, Slo, detail, parse_slo, per_turn, summarize
+from pdserve.bench.multi_turn import MultiTurnSpec, build_conversations, run_conversations
+from pdserve.bench.prompts import PromptMaker, TokenPrompts, WordPrompts, calibrate, load_tokenizer
+from pdserve.bench.report import Progress, result_table, save_json, sweep_header, sweep_row
+from pdserve.bench.runner import RunSpec, make_client, run_requests
+from pdserve.bench.sweep import best_rate, effective_rate, parse_rates, rates_between
 
 WARMUP_SEED_OFFSET = 10_000
 
@@ -248,7 +248,7 @@ def finish(
         else:
             save_json(args.save_result, rows[0])
     if args.plot:
-        from bench.plots import plot_cdfs, plot_sweep
+        from pdserve.bench.plots import plot_cdfs, plot_sweep
 
         Path(args.plot).mkdir(parents=True, exist_ok=True)
         plot_cdfs(runs, args.plot)

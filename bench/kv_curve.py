@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from kvtransfer import make_receiver, make_sender
-from kvtransfer.base import KVPoll, TransferSpec
-from launch.keygen import keygen
-from protocol.security import SecureContext, Security
+from pdserve.kvtransfer import make_receiver, make_sender
+from pdserve.kvtransfer.base import KVPoll, TransferSpec
+from pdserve.launch.keygen import keygen
+from pdserve.protocol.security import SecureContext, Security
 
 SHAPE = (256, 2, 16, 8, 64)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]: 256 KiB a block
 LAYERS = 8

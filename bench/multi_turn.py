@@ -26,13 +26,13 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.arrivals import arrival_offsets
-from bench.client import Target, send
-from bench.datasets import BenchRequest, lengths
-from bench.metrics import RequestOutput
-from bench.prompts import PromptMaker
-from bench.report import Progress
-from bench.runner import RunSpec
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import Target, send
+from pdserve.bench.datasets import BenchRequest, lengths
+from pdserve.bench.metrics import RequestOutput
+from pdserve.bench.prompts import PromptMaker
+from pdserve.bench.report import Progress
+from pdserve.bench.runner import RunSpec
 
 
 @dataclass(frozen=True)

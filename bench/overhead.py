@@ -16,17 +16,15 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.client import sse_lines  # noqa: E402
-from bench.cluster import ServeProcess  # noqa: E402
+from pdserve.bench.client import sse_lines  # noqa: E402
+from pdserve.bench.cluster import ServeProcess  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,9 +39,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def in_process(model: str, prompts: list[list[int]], output_len: int, threads: int) -> float:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(model=model, threads=threads, cache=CacheConfig(kv_cache_memory=1 << 30))
     engine = LLMEngine(config)
@@ -95,7 +93,7 @@ def main() -> None:
     args = parse_args()
     import random
 
-    from engine.make_model import default_model_dir
+    from pdserve.engine.make_model import default_model_dir
 
     model = args.model or str(default_model_dir("small"))
     rng = random.Random(args.seed)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.metrics import RequestOutput, metric_values
+from pdserve.bench.metrics import RequestOutput, metric_values
 
 CDF_METRICS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from bench.metrics import RequestOutput
+from pdserve.bench.metrics import RequestOutput
 
 ROWS = (("TTFT", "ttft"), ("TTFT content", "ttft_content"), ("TPOT", "tpot"))
 ROWS += (("ITL", "itl"), ("E2EL", "e2el"))

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from bench.arrivals import schedule
-from bench.client import Target, send
-from bench.datasets import BenchRequest
-from bench.metrics import RequestOutput
-from bench.report import Progress
+from pdserve.bench.arrivals import schedule
+from pdserve.bench.client import Target, send
+from pdserve.bench.datasets import BenchRequest
+from pdserve.bench.metrics import RequestOutput
+from pdserve.bench.report import Progress
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.client import sse_lines  # noqa: E402
-from bench.cluster import ServeProcess  # noqa: E402
+from pdserve.bench.client import sse_lines  # noqa: E402
+from pdserve.bench.cluster import ServeProcess  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -144,7 +143,7 @@ async def load(base: str, model: str, args: argparse.Namespace, serve_pid: int) 
 
 def main() -> None:
     args = parse_args()
-    from engine.make_model import default_model_dir
+    from pdserve.engine.make_model import default_model_dir
 
     model = args.model or str(default_model_dir("tiny"))
     flags = ["--prefill=1", "--decode=2", f"--kv-fault={args.kv_fault}"]

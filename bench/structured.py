@@ -15,19 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine.sampler as sampler_module
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.model_store import DEFAULT_MODEL, resolve_model
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from protocol.messages import StructuredSpec
+import pdserve.engine.sampler as sampler_module
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.protocol.messages import StructuredSpec
 
 ITEMS = 40  # array items: about 3 tokens each
 SCHEMA = {

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.arrivals import parse_rate
+from pdserve.bench.arrivals import parse_rate
 
 ATTAINMENT_TARGET = 0.9
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.registry import WorkerRegistry
-from protocol import messages as m
+from pdserve.coordinator.registry import WorkerRegistry
+from pdserve.protocol import messages as m
 
 
 def too_big(registry: WorkerRegistry, req: m.Generate) -> str | None:

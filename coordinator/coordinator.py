@@ -32,13 +32,13 @@ import logging
 from collections import Counter
 from typing import Protocol
 
-from coordinator.capacity import too_big
-from coordinator.placement import HOT_SPOT_TOKENS, Placement
-from coordinator.recovery import Recovery
-from coordinator.registry import Worker, WorkerRegistry
-from coordinator.routes import Key, Route, RouteTable
-from kvtransfer.base import LayoutMismatchError
-from protocol import messages as m
+from pdserve.coordinator.capacity import too_big
+from pdserve.coordinator.placement import HOT_SPOT_TOKENS, Placement
+from pdserve.coordinator.recovery import Recovery
+from pdserve.coordinator.registry import Worker, WorkerRegistry
+from pdserve.coordinator.routes import Key, Route, RouteTable
+from pdserve.kvtransfer.base import LayoutMismatchError
+from pdserve.protocol import messages as m
 
 logger = logging.getLogger(__name__)
 

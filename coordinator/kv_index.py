@@ -24,7 +24,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from protocol import messages as m
+from pdserve.protocol import messages as m
 
 logger = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ import time
 
 import zmq
 
-from coordinator.coordinator import Coordinator
-from coordinator.placement import HOT_SPOT_TOKENS, ROUTING_MODES
-from coordinator.trust import RateLimitedLog
-from engine import envs
-from protocol import security
-from protocol.codec import Message
-from protocol.loop import PushOutbox, serve, stop_on_signals
-from protocol.sockets import bound_address, make_socket
+from pdserve import envs
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.coordinator.placement import HOT_SPOT_TOKENS, ROUTING_MODES
+from pdserve.coordinator.trust import RateLimitedLog
+from pdserve.protocol import security
+from pdserve.protocol.codec import Message
+from pdserve.protocol.loop import PushOutbox, serve, stop_on_signals
+from pdserve.protocol.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 

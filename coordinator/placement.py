@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
-from coordinator.registry import Worker, WorkerRegistry
-from protocol.prefix import cacheable_hashes
+from pdserve.coordinator.registry import Worker, WorkerRegistry
+from pdserve.protocol.prefix import cacheable_hashes
 
 ROUTING_MODES = ("kv", "load", "round-robin")
 HOT_SPOT_TOKENS = 2048  # default guard: queued prompt tokens beyond the shortest queue

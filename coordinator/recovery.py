@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from coordinator.routes import Key, Route, RouteTable
-from protocol import messages as m
+from pdserve.coordinator.routes import Key, Route, RouteTable
+from pdserve.protocol import messages as m
 
 if TYPE_CHECKING:
-    from coordinator.coordinator import CoordinatorOutbox
-    from coordinator.registry import Worker, WorkerRegistry
+    from pdserve.coordinator.coordinator import CoordinatorOutbox
+    from pdserve.coordinator.registry import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 

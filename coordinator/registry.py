@@ -12,15 +12,15 @@ import secrets
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from coordinator.kv_index import KVIndex
-from coordinator.trust import (
+from pdserve.coordinator.kv_index import KVIndex
+from pdserve.coordinator.trust import (
     RateLimitedLog,
     heartbeat_problem,
     kv_events_problem,
     register_problem,
 )
-from kvtransfer.base import LayoutMismatchError, check_layouts
-from protocol import messages as m
+from pdserve.kvtransfer.base import LayoutMismatchError, check_layouts
+from pdserve.protocol import messages as m
 
 logger = logging.getLogger(__name__)
 

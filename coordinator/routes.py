@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from protocol import messages as m
+from pdserve.protocol import messages as m
 
 Key = tuple[str, int]  # (request_id, choice)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from protocol import messages as m
-from protocol.prefix import HASH_BITS, MAX_KV_EVENT_HASHES
+from pdserve.protocol import messages as m
+from pdserve.protocol.prefix import HASH_BITS, MAX_KV_EVENT_HASHES
 
 logger = logging.getLogger(__name__)
 

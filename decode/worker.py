@@ -20,9 +20,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import NoFreeBlocks
-from engine.engine import LLMEngine, RequestOutput
-from engine.wire import (
+from pdserve.engine.block_manager import NoFreeBlocks
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.kvtransfer.base import KVPoll, KVReceiver
+from pdserve.protocol import messages as m
+from pdserve.worker.wire import (
     Outbox,
     TokenBatcher,
     engine_key,
@@ -31,8 +33,6 @@ from engine.wire import (
     sampling_params,
     wire_logprobs,
 )
-from kvtransfer.base import KVPoll, KVReceiver
-from protocol import messages as m
 
 logger = logging.getLogger(__name__)
 

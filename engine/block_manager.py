@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 # the coordinator hashes prompts the same way to route them (coordinator/kv_index.py)
-from protocol.prefix import block_hashes as block_hashes
-from protocol.prefix import hash_block as hash_block
+from pdserve.protocol.prefix import block_hashes as block_hashes
+from pdserve.protocol.prefix import hash_block as hash_block
 
 
 class CacheEvents(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     model = resolve_model(args.model, args.dtype)
     return EngineConfig(

@@ -27,15 +27,15 @@ import torch
 from torch._inductor import config as inductor_config
 from torch.fx.experimental import _config as shape_config
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.torch_backend import (
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.torch_backend import (
     KVSlots,
     TorchAttentionBackend,
     decode_attention,
     write_kv_slots,
 )
-from engine.config import ConfigError
-from engine.model import CausalLM
+from pdserve.engine.config import ConfigError
+from pdserve.engine.model import CausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -28,18 +28,22 @@ PACKABLE = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def onednn_status() -> tuple[bool, str]:
-    """Whether packed oneDNN linear layers run here (checked once on a tiny layer)."""
+def onednn_status(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+    """Whether packed oneDNN linear layers of ``dtype`` run here (checked once on a tiny
+    layer). bf16 needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT: an AVX2-only CPU has fp32 only."""
+    if dtype not in PACKABLE:
+        return False, f"oneDNN packing is for {', '.join(map(str, PACKABLE))}, not {dtype}"
     if not torch.backends.mkldnn.is_available():
         return False, "torch was built without oneDNN (mkldnn)"
     try:
-        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        w, x = torch.randn(8, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        if not torch.allclose(out, x @ w.t(), rtol=1e-4, atol=1e-5):
-            return False, "oneDNN linear gave wrong results on a probe"
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        if not torch.allclose(out.float(), (x @ w.t()).float(), rtol=tol, atol=tol):
+            return False, f"oneDNN {dtype} linear gave wrong results on a probe"
     except (RuntimeError, AttributeError) as exc:
-        return False, f"oneDNN linear unavailable: {exc}"
+        return False, f"oneDNN {dtype} linear unavailable: {exc}"
     return True, f"oneDNN packed linear layers (torch {torch.__version__})"
 
 

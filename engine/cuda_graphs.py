@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.attention.flashinfer_backend import GraphState
-    from engine.config import EngineConfig, ModelConfig
-    from engine.model import CausalLM
-    from engine.model_runner import StepInputs
+    from pdserve.engine.attention.flashinfer_backend import GraphState
+    from pdserve.engine.config import EngineConfig, ModelConfig
+    from pdserve.engine.model import CausalLM
+    from pdserve.engine.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class CudaGraphRunner:
 
     def _prepare(self, state: GraphState, padded: PaddedDecode, b: int) -> None:
         """Fill the padding rows of the static inputs and plan the bucket's wrapper."""
-        from engine.attention.flashinfer_backend import paged_kv_indices_from
+        from pdserve.engine.attention.flashinfer_backend import paged_kv_indices_from
 
         n = padded.num_real
         self.input_ids[n:b].zero_()

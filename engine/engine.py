@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.fork import ForkMixin
-from engine.grammar import GrammarCache
-from engine.kv_handoff import KVHandoffMixin
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, TokenLogprob
-from engine.step_budget import calibrate_step_budget
-from engine.tokenizer import Tokenizer
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.fork import ForkMixin
+from pdserve.engine.grammar import GrammarCache
+from pdserve.engine.kv_handoff import KVHandoffMixin
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.step_budget import calibrate_step_budget
+from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_manager import NoFreeBlocks
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.block_manager import NoFreeBlocks
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from pdserve.engine.engine import LLMEngine
 
 
 class ForkMixin:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from engine.cli_args import add_engine_args, engine_config_from_args
+from pdserve.engine.cli_args import add_engine_args, engine_config_from_args
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +23,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.tokenizer import Tokenizer
 
     try:
         config = engine_config_from_args(args)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
-from engine.gguf import GGUFError, GGUFFile
+from pdserve.engine.gguf import GGUFError, GGUFFile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER_NAMES = {  # GGUF name within blk.{i}. -> Hugging Face name within model.layers.{i}.

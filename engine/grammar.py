@@ -20,7 +20,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from protocol.messages import StructuredSpec
+from pdserve.protocol.messages import StructuredSpec
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar larger than this is refused
 MAX_CHOICES = 256

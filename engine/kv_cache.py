@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import CacheConfig, ConfigError, ModelConfig
+from pdserve.engine.config import CacheConfig, ConfigError, ModelConfig
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 

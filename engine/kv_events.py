@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import secrets
 
-from engine.block_manager import BlockManager
-from protocol import messages as m
-from protocol.prefix import MAX_KV_EVENT_HASHES
+from pdserve.engine.block_manager import BlockManager
+from pdserve.protocol import messages as m
+from pdserve.protocol.prefix import MAX_KV_EVENT_HASHES
 
 SNAPSHOT_EVERY = 30  # periods (heartbeats: 30 s) between snapshots
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.grammar import advance
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.grammar import advance
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from pdserve.engine.engine import LLMEngine
 
 
 class KVHandoffMixin:

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.model import CausalLM
-from engine.rope import RotaryEmbedding
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import CausalLM
+from pdserve.engine.rope import RotaryEmbedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from engine.model_store import models_dir
+from pdserve.engine.model_store import models_dir
 
 DATA_DIR = Path(__file__).parent / "data"
 BOS, END_OF_TEXT, IM_START, IM_END, PAD = SPECIAL_TOKENS = (

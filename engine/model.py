@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
-from engine.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, make_backend
-from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.sequence import Sequence
+from pdserve.engine.attention import AttentionMetadata, make_backend
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.loader import load_model
+from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ModelRunner:
             self._compile_decode()
         self.graphs = None  # CUDA only: captured decode steps (engine/cuda_graphs.py)
         if self.device.type == "cuda":
-            from engine.cuda_graphs import maybe_capture
+            from pdserve.engine.cuda_graphs import maybe_capture
 
             self.graphs = maybe_capture(
                 self.model, self.kv_cache.layers, self.backend, model_config, config, max_model_len
@@ -112,9 +112,9 @@ class ModelRunner:
         """oneDNN-packed linear layers on CPU (engine/cpu_linear.py), unless told otherwise."""
         if self.device.type != "cpu" or choice == "torch":
             return "torch"
-        from engine.cpu_linear import onednn_status, pack_linears, packed_head
+        from pdserve.engine.cpu_linear import onednn_status, pack_linears, packed_head
 
-        usable, reason = onednn_status()
+        usable, reason = onednn_status(self.dtype)
         if not usable:
             if choice == "onednn":
                 raise RuntimeError(f"--cpu-linear onednn: {reason}")
@@ -128,7 +128,7 @@ class ModelRunner:
     def _compile_decode(self) -> None:
         """Build the compiled decode graphs now, through ``execute``: one for batch 1, one for
         every larger batch (dynamic shapes). The dummy steps write block 0, free at start."""
-        from engine.compile import CompiledDecode
+        from pdserve.engine.compile import CompiledDecode
 
         self.compiled = CompiledDecode(self.model, self.kv_cache.layers)
         start = time.perf_counter()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine import envs
+from pdserve import envs
 
 RECORD_FILE = "pdserve-model.json"
 RANDOM_PRESETS = ("tiny", "small")
@@ -128,7 +128,7 @@ def resolve_model(model: str | None, dtype: str = "auto", pull: bool = True) -> 
     if Path(model).is_dir():
         return model
     if model in RANDOM_PRESETS:
-        from engine.make_model import default_model_dir
+        from pdserve.engine.make_model import default_model_dir
 
         return str(default_model_dir(model))
     if model in KNOWN_MODELS:
@@ -138,7 +138,7 @@ def resolve_model(model: str | None, dtype: str = "auto", pull: bool = True) -> 
             return str(path)
         if not pull:
             raise FileNotFoundError(f"{model!r} is not pulled yet: run `pdserve pull {model}`")
-        from engine.pull import pull_model
+        from pdserve.engine.pull import pull_model
 
         return str(pull_model(model, dtype=want))
     if "/" in model or model.startswith("."):

@@ -23,7 +23,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from engine.model_store import (
+from pdserve.engine.model_store import (
     KNOWN_MODELS,
     KnownModel,
     ModelRecord,
@@ -84,7 +84,7 @@ def pull_model(spec: str, dtype: str = "float32", force: bool = False) -> Path:
 
 
 def _convert(gguf: Path, out: Path, dtype: str):
-    from engine.gguf_convert import convert_gguf  # torch: only when converting
+    from pdserve.engine.gguf_convert import convert_gguf  # torch: only when converting
 
     converted = convert_gguf(gguf, out, dtype)
     for p in out.iterdir():

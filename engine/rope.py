@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from engine.config import RopeConfig
+from pdserve.engine.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.sequence import Sequence, TokenLogprob
 
 
 @dataclass

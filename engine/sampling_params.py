@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import StructuredSpec
+from pdserve.protocol.messages import StructuredSpec
 
 _GREEDY_EPS = 1e-5
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import GatewayConfig
-from gateway.errors import (
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.errors import (
     OpenAIError,
     body_timeout,
     body_too_large,
@@ -38,7 +38,7 @@ from gateway.errors import (
 )
 
 if TYPE_CHECKING:
-    from gateway.generation import Generation
+    from pdserve.gateway.generation import Generation
 
 log = logging.getLogger(__name__)
 

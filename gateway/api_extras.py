@@ -22,13 +22,13 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import ModelInfo
-from gateway.errors import invalid_request, model_not_found
-from gateway.openai_models import INT64_MAX, ChatCompletionRequest, ChatMessage
-from gateway.prompt_guard import check_prompt_size, too_long
-from gateway.tools.models import MAX_TOOLS, Tool
-from gateway.tools.request import template_tools
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import ModelInfo
+from pdserve.gateway.errors import invalid_request, model_not_found
+from pdserve.gateway.openai_models import INT64_MAX, ChatCompletionRequest, ChatMessage
+from pdserve.gateway.prompt_guard import check_prompt_size, too_long
+from pdserve.gateway.tools.models import MAX_TOOLS, Tool
+from pdserve.gateway.tools.request import template_tools
 
 
 def pdserve_version() -> str:

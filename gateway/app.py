@@ -20,9 +20,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
-from engine.tokenizer import Tokenizer
-from gateway.admission import GENERATE_PATHS, Admission, AdmissionState
-from gateway.api_extras import (
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.admission import GENERATE_PATHS, Admission, AdmissionState
+from pdserve.gateway.api_extras import (
     DetokenizeRequest,
     TokenizeRequest,
     detokenize,
@@ -33,21 +33,21 @@ from gateway.api_extras import (
     system_fingerprint,
     tokenize,
 )
-from gateway.backend import Backend, BackendError, ModelInfo
-from gateway.config import GatewayConfig
-from gateway.errors import (
+from pdserve.gateway.backend import Backend, BackendError, ModelInfo
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.errors import (
     OpenAIError,
     error_response,
     from_backend,
     install_error_handlers,
     model_not_found,
 )
-from gateway.generation import Generation
-from gateway.headers import add_header_middleware
-from gateway.jobs import Job, prepare_chat, prepare_completion
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
-from gateway.stream import BoundedStreamingResponse, collect, error_body, stream_events
+from pdserve.gateway.generation import Generation
+from pdserve.gateway.headers import add_header_middleware
+from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
+from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.stream import BoundedStreamingResponse, collect, error_body, stream_events
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol import messages as m
+from pdserve.protocol import messages as m
 
 
 @dataclass(frozen=True)

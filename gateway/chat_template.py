@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 import tokenizers
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 _JINJA_CHARS = "{}\n"
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import BackendError
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.logprobs import LogprobEntry, TokenTexts, resolve
-from gateway.stop import StopMatcher
-from gateway.tools.calls import ToolCallDelta
-from protocol.messages import TokenChunk
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import BackendError
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.logprobs import LogprobEntry, TokenTexts, resolve
+from pdserve.gateway.stop import StopMatcher
+from pdserve.gateway.tools.calls import ToolCallDelta
+from pdserve.protocol.messages import TokenChunk
 
 
 @dataclass

@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import envs
-from gateway.chat_template import load_chat_template
-from gateway.tools.request import PARSER_CHOICES, add_tool_args
+from pdserve import envs
+from pdserve.gateway.chat_template import load_chat_template
+from pdserve.gateway.tools.request import PARSER_CHOICES, add_tool_args
 
 API_KEY_ENV = envs.API_KEY  # one more accepted API key
 DEFAULT_REQUEST_TIMEOUT_S = 600.0

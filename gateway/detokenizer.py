@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 4  # prompt ids kept as left context, so the first output token decodes in place

@@ -23,8 +23,8 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.admission import AdmissionState
-from gateway.errors import OpenAIError
+from pdserve.gateway.admission import AdmissionState
+from pdserve.gateway.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.backend import BackendError
+from pdserve.gateway.backend import BackendError
 
 _CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 500: "internal_error"}
 RETRY_AFTER_S = 1

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import anyio
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import Backend, BackendError
-from gateway.choices import ChoiceState, ChoiceUpdate
-from gateway.errors import OpenAIError, request_timeout, slow_reader, stream_idle
-from gateway.jobs import Job
-from gateway.logprobs import TokenTexts
-from gateway.metrics import GatewayMetrics
-from protocol.messages import TokenChunk
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import Backend, BackendError
+from pdserve.gateway.choices import ChoiceState, ChoiceUpdate
+from pdserve.gateway.errors import OpenAIError, request_timeout, slow_reader, stream_idle
+from pdserve.gateway.jobs import Job
+from pdserve.gateway.logprobs import TokenTexts
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.protocol.messages import TokenChunk
 
 log = logging.getLogger(__name__)
 

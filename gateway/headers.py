@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import GatewayConfig
+from pdserve.gateway.config import GatewayConfig
 
 REQUEST_ID = b"x-request-id"
 MAX_REQUEST_ID_CHARS = 128

@@ -9,18 +9,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import GenerateRequest, ModelInfo
-from gateway.errors import OpenAIError, invalid_request
-from gateway.openai_models import (
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import GenerateRequest, ModelInfo
+from pdserve.gateway.errors import OpenAIError, invalid_request
+from pdserve.gateway.openai_models import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
     sampling_kwargs,
 )
-from gateway.prompt_guard import check_prompt_size
-from gateway.tools.request import (
+from pdserve.gateway.prompt_guard import check_prompt_size
+from pdserve.gateway.tools.request import (
     ToolPlan,
     check_messages,
     template_tools,

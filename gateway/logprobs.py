@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tokenizer import Tokenizer
-from protocol.messages import TokenLogprob
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.protocol.messages import TokenLogprob
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

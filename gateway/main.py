@@ -18,15 +18,15 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from engine import envs
-from engine.tokenizer import Tokenizer
-from gateway.app import create_app
-from gateway.chat_template import tokenizer_loader
-from gateway.config import GatewayConfig, add_config_args, config_from_args
-from gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
-from gateway.errors import OpenAIError
-from gateway.http_limits import header_deadline_protocol
-from gateway.zmq_backend import ZmqBackend
+from pdserve import envs
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.gateway.chat_template import tokenizer_loader
+from pdserve.gateway.config import GatewayConfig, add_config_args, config_from_args
+from pdserve.gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
+from pdserve.gateway.errors import OpenAIError
+from pdserve.gateway.http_limits import header_deadline_protocol
+from pdserve.gateway.zmq_backend import ZmqBackend
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from gateway.backend import WorkerStats
-from protocol import messages as m
+from pdserve.gateway.backend import WorkerStats
+from pdserve.protocol import messages as m
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -18,13 +18,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams
-from gateway.errors import OpenAIError, invalid_request
-from gateway.request_audit import VllmChatFields, VllmFields, refuse_unhonoured
-from gateway.structured import structured_spec
-from gateway.structured_models import StructuredFields
-from gateway.tools.models import ToolCalls, ToolFields
-from gateway.tools.request import check_tools, template_tool_calls
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.gateway.errors import OpenAIError, invalid_request
+from pdserve.gateway.request_audit import VllmChatFields, VllmFields, refuse_unhonoured
+from pdserve.gateway.structured import structured_spec
+from pdserve.gateway.structured_models import StructuredFields
+from pdserve.gateway.tools.models import ToolCalls, ToolFields
+from pdserve.gateway.tools.request import check_tools, template_tool_calls
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts of one /v1/completions request: each is a backend request

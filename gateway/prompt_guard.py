@@ -11,8 +11,8 @@ whole and checked exactly as before.
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
-from gateway.errors import OpenAIError
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.errors import OpenAIError
 
 CHARS_PER_TOKEN = 4  # up to max_model_len * this many characters, tokenize whole at once
 CHUNK_CHARS = 16384

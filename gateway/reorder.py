@@ -20,7 +20,7 @@ per-choice text state (``gateway.choices``) only checks the order and never buff
 
 from __future__ import annotations
 
-from protocol.messages import TokenChunk
+from pdserve.protocol.messages import TokenChunk
 
 
 class ChoiceOrder:

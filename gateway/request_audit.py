@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import invalid_request
+from pdserve.gateway.errors import invalid_request
 
 # OpenAPI: the only value the server takes, so schema-driven clients and fuzzers send it.
 _OFF = {"enum": [False]}

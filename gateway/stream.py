@@ -27,14 +27,14 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
-from gateway.backend import BackendError
-from gateway.choices import ChoiceUpdate
-from gateway.errors import OpenAIError, from_backend, internal
-from gateway.generation import Generation, Usage
-from gateway.jobs import Job
-from gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
-from gateway.tools.calls import accumulate, delta_json
-from gateway.tools.output import ToolOutput
+from pdserve.gateway.backend import BackendError
+from pdserve.gateway.choices import ChoiceUpdate
+from pdserve.gateway.errors import OpenAIError, from_backend, internal
+from pdserve.gateway.generation import Generation, Usage
+from pdserve.gateway.jobs import Job
+from pdserve.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
+from pdserve.gateway.tools.calls import accumulate, delta_json
+from pdserve.gateway.tools.output import ToolOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 

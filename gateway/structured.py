@@ -16,12 +16,12 @@ import functools
 import json
 from typing import Any
 
-from engine.grammar import grammar_text
-from gateway.errors import invalid_request
-from gateway.structured_models import StructuredFields
-from gateway.tools.constraint import tool_choice_constraint
-from gateway.tools.models import ToolFields
-from protocol.messages import StructuredSpec
+from pdserve.engine.grammar import grammar_text
+from pdserve.gateway.errors import invalid_request
+from pdserve.gateway.structured_models import StructuredFields
+from pdserve.gateway.tools.constraint import tool_choice_constraint
+from pdserve.gateway.tools.models import ToolFields
+from pdserve.protocol.messages import StructuredSpec
 
 ANY_OBJECT = '{"type": "object"}'
 

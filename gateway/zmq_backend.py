@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
-from gateway.reorder import ChoiceOrder
-from protocol import messages as m
-from protocol import security
-from protocol.codec import ProtocolError, decode, encode
-from protocol.sockets import bound_address, make_socket
+from pdserve.gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
+from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.protocol import messages as m
+from pdserve.protocol import security
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.base import KVReceiver, KVSender
+from pdserve.kvtransfer.base import KVReceiver, KVSender
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def _classes(backend: str) -> tuple[type[KVSender], type[KVReceiver]]:
 
 def _load(name: str) -> type:
     module, cls = name.split(".")
-    return getattr(importlib.import_module(f"kvtransfer.{module}"), cls)
+    return getattr(importlib.import_module(f".{module}", __name__), cls)
 
 
 def make_sender(backend: str, *, checksum: bool = False, **options: Any) -> KVSender:

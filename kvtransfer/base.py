@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protocol.messages import KVLayout
+from pdserve.protocol.messages import KVLayout
 
 if TYPE_CHECKING:
     import torch

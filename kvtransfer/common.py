@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import DEFAULT_TIMEOUT_S, KVLayout, KVPoll, TransferError
-from protocol.messages import KVHeader
+from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVLayout, KVPoll, TransferError
+from pdserve.protocol.messages import KVHeader
 
-log = logging.getLogger("kvtransfer")
+log = logging.getLogger("pdserve.kvtransfer")
 
 Buffer = bytes | bytearray | memoryview
 SECRET_BYTES = 16  # a reservation's transfer secret

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from engine.platform import cuda_ipc_status
-from kvtransfer import gpu_wire as w
-from kvtransfer.base import TransferError
-from kvtransfer.gpu_receiver import GpuKVReceiver
-from kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
+from pdserve.engine.platform import cuda_ipc_status
+from pdserve.kvtransfer import gpu_wire as w
+from pdserve.kvtransfer.base import TransferError
+from pdserve.kvtransfer.gpu_receiver import GpuKVReceiver
+from pdserve.kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
 
 MAX_RUNS = 32  # more runs than this per transfer: gather + scatter instead of run copies
 

@@ -22,19 +22,19 @@ from typing import Any
 import torch
 import zmq
 
-from kvtransfer import common
-from kvtransfer import gpu_wire as w
-from kvtransfer.base import (
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer import gpu_wire as w
+from pdserve.kvtransfer.base import (
     KVLayout,
     KVPoll,
     KVReceiver,
     LayoutMismatchError,
     check_layouts,
 )
-from protocol.codec import ProtocolError
-from protocol.sockets import bound_address, make_socket
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.sockets import bound_address, make_socket
 
-log = logging.getLogger("kvtransfer.gpu")
+log = logging.getLogger("pdserve.kvtransfer.gpu")
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 RELEASE_GRACE_S = 2.0  # cuda_ipc: how long release() waits for a granted copy to land

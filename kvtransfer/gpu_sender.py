@@ -25,15 +25,15 @@ from typing import Any
 import torch
 import zmq
 
-from kvtransfer import common
-from kvtransfer import gpu_wire as w
-from kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, TransferSpec
-from kvtransfer.faults import FaultPlan
-from kvtransfer.queued import QueuedSender
-from protocol.codec import ProtocolError
-from protocol.sockets import make_socket
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer import gpu_wire as w
+from pdserve.kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, TransferSpec
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.kvtransfer.queued import QueuedSender
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.sockets import make_socket
 
-log = logging.getLogger("kvtransfer.gpu")
+log = logging.getLogger("pdserve.kvtransfer.gpu")
 
 ROUND_TRIP_S = 10.0  # longest wait for one control reply (capped by the transfer's deadline)
 _IDLE_POLL_MS, _BUSY_POLL_MS = 50, 1

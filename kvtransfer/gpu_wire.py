@@ -26,9 +26,9 @@ from typing import Any
 import msgpack
 import torch
 
-from kvtransfer.common import layout_of
-from protocol.codec import ProtocolError, _check_fields, _Frames
-from protocol.messages import KVLayout
+from pdserve.kvtransfer.common import layout_of
+from pdserve.protocol.codec import ProtocolError, _check_fields, _Frames
+from pdserve.protocol.messages import KVLayout
 
 WIRE_VERSION = 1
 
@@ -144,7 +144,7 @@ def require(status: tuple[bool, str], backend: str) -> None:
     """``TransferError`` naming why ``backend`` cannot run here (from ``engine.platform``)."""
     usable, reason = status
     if not usable:
-        from kvtransfer.base import TransferError
+        from pdserve.kvtransfer.base import TransferError
 
         raise TransferError(f"{backend} KV transfer is unusable here: {reason}")
 

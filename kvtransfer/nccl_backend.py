@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from engine.platform import cupy_nccl_status
-from kvtransfer import gpu_wire as w
-from kvtransfer.gpu_receiver import GpuKVReceiver, Incoming, log
-from kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
+from pdserve.engine.platform import cupy_nccl_status
+from pdserve.kvtransfer import gpu_wire as w
+from pdserve.kvtransfer.gpu_receiver import GpuKVReceiver, Incoming, log
+from pdserve.kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
 
 _BYTE_TYPES = ("NCCL_UINT8", "NCCL_INT8", "NCCL_CHAR")
 

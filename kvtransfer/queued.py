@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from kvtransfer.faults import FaultDice, FaultPlan
+from pdserve.kvtransfer.faults import FaultDice, FaultPlan
 
 
 class FaultableJob(Protocol):

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from kvtransfer import common
-from kvtransfer.base import KVPoll, KVSender, TransferError, TransferSpec
-from protocol.messages import KVHeader, ProtocolError, encode
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer.base import KVPoll, KVSender, TransferError, TransferSpec
+from pdserve.protocol.messages import KVHeader, ProtocolError, encode
 
-log = logging.getLogger("kvtransfer.ucx")
+log = logging.getLogger("pdserve.kvtransfer.ucx")
 
 DEFAULT_BIND = "ucx://127.0.0.1:0"
 HEADER_TAG = 1 << 63  # layer tags are below 2**63

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer import common
-from kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, KVReceiver
-from kvtransfer.ucx_backend import (
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, KVReceiver
+from pdserve.kvtransfer.ucx_backend import (
     BUSY_SLEEP_S,
     DEFAULT_BIND,
     HEADER_TAG,
@@ -30,9 +30,9 @@ from kvtransfer.ucx_backend import (
     parse_address,
     request_error,
 )
-from protocol.messages import KVHeader, ProtocolError, decode
+from pdserve.protocol.messages import KVHeader, ProtocolError, decode
 
-log = logging.getLogger("kvtransfer.ucx")
+log = logging.getLogger("pdserve.kvtransfer.ucx")
 
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_LAYERS = 1 << 16

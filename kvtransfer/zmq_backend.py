@@ -21,20 +21,20 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from kvtransfer import common
-from kvtransfer.base import (
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer.base import (
     KVPoll,
     KVReceiver,
     KVSender,
     TransferError,
     TransferSpec,
 )
-from kvtransfer.faults import FaultPlan
-from kvtransfer.queued import QueuedSender
-from protocol.messages import KVHeader, ProtocolError, decode, encode
-from protocol.sockets import bound_address, make_socket
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.kvtransfer.queued import QueuedSender
+from pdserve.protocol.messages import KVHeader, ProtocolError, decode, encode
+from pdserve.protocol.sockets import bound_address, make_socket
 
-log = logging.getLogger("kvtransfer.zmq")
+log = logging.getLogger("pdserve.kvtransfer.zmq")
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
 _IDLE_POLL_MS = 50

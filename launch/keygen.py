@@ -17,7 +17,7 @@ from pathlib import Path
 
 from zmq.auth import create_certificates
 
-from protocol.security import AUTHORIZED, SERVER, KeysError
+from pdserve.protocol.security import AUTHORIZED, SERVER, KeysError
 
 
 def add_keygen_args(parser: argparse.ArgumentParser) -> None:

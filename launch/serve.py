@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.main import add_routing_args, routing_flags
-from kvtransfer import backends as transfer_backends
-from launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
+from pdserve.coordinator.main import add_routing_args, routing_flags
+from pdserve.kvtransfer import backends as transfer_backends
+from pdserve.launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
 
 FORWARDED_ENGINE_FLAGS = (
     "dtype",
@@ -47,7 +47,7 @@ FORWARDED_ENGINE_FLAGS = (
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from engine.cli_args import add_engine_args
+    from pdserve.engine.cli_args import add_engine_args
 
     add_engine_args(parser)
     g = parser.add_argument_group("cluster")
@@ -107,7 +107,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def pdserve_command() -> list[str]:
     """The console script beside this Python, so ``ps`` shows ``pdserve <role> ...``."""
     script = Path(sys.executable).parent / "pdserve"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "launch.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pdserve.launch.cli"]
 
 
 def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> list[list[str]]:
@@ -185,7 +185,7 @@ class Child:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     try:  # pulled here, once, so the workers start from the cache
         model = os.path.abspath(resolve_model(args.model, args.dtype))
@@ -287,7 +287,7 @@ def _keys(run_dir: Path, names: list[str], insecure: bool) -> Callable[[str], li
     if insecure:
         print("pdserve serve: --insecure: internal sockets are open to anyone", file=sys.stderr)
         return lambda name: ["--insecure"]
-    from launch.keygen import keygen
+    from pdserve.launch.keygen import keygen
 
     keys = keygen(run_dir / "keys", names)
     return lambda name: [f"--keys={keys}", f"--key-name={name}"]

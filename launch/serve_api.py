@@ -19,9 +19,9 @@ import json
 import os
 from pathlib import Path
 
-from gateway.chat_template import load_chat_template
-from gateway.config import API_KEY_ENV, GatewayConfig, list_arg, load_api_keys
-from gateway.tools.request import add_tool_args
+from pdserve.gateway.chat_template import load_chat_template
+from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, list_arg, load_api_keys
+from pdserve.gateway.tools.request import add_tool_args
 
 
 def add_serve_api_args(g: argparse._ArgumentGroup) -> None:

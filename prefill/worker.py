@@ -25,8 +25,10 @@ import logging
 import threading
 import time
 
-from engine.engine import LLMEngine, RequestOutput
-from engine.wire import (
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.kvtransfer.base import KVPoll, KVSender, TransferSpec
+from pdserve.protocol import messages as m
+from pdserve.worker.wire import (
     Outbox,
     TokenBatcher,
     TransferStats,
@@ -36,8 +38,6 @@ from engine.wire import (
     sampling_params,
     wire_logprobs,
 )
-from kvtransfer.base import KVPoll, KVSender, TransferSpec
-from protocol import messages as m
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from protocol.codec import Message
+from pdserve.protocol.codec import Message
 
 log = logging.getLogger(__name__)
 

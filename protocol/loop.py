@@ -16,9 +16,9 @@ from typing import Protocol
 
 import zmq
 
-from protocol.codec import Message
-from protocol.liveness import Liveness
-from protocol.sockets import make_socket, recv_from, send_msg
+from pdserve.protocol.codec import Message
+from pdserve.protocol.liveness import Liveness
+from pdserve.protocol.sockets import make_socket, recv_from, send_msg
 
 log = logging.getLogger(__name__)
 

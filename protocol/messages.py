@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message
+from pdserve.protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -191,7 +191,7 @@ def security_of(ctx: zmq.Context) -> Security | None:
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
     """``--keys``, ``--key-name``, ``--insecure`` for a role (env PDSERVE_KEYS, ...)."""
-    from engine import envs
+    from pdserve import envs
 
     g = parser.add_argument_group("security")
     g.add_argument(
@@ -215,7 +215,7 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
 def export(args: argparse.Namespace, env: MutableMapping[str, str] = os.environ) -> None:
     """Check a role's security flags (``KeysError`` if unusable) and put them in ``env``, where
     every socket-making part of the process (and ``from_env``) reads them."""
-    from engine import envs
+    from pdserve import envs
 
     if args.insecure and args.keys:
         raise KeysError("--insecure and --keys exclude each other")
@@ -237,7 +237,7 @@ def export(args: argparse.Namespace, env: MutableMapping[str, str] = os.environ)
 def from_env() -> Security | None:
     """This process's keys as ``export`` left them; None (with a loud warning) when insecure
     or unset (library use in tests: the CLI never starts a role that way)."""
-    from engine import envs
+    from pdserve import envs
 
     if envs.insecure() or not envs.keys_dir():
         if envs.insecure():

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import zmq
 
-from protocol.codec import Message, ProtocolError, decode, encode
-from protocol.security import security_of
+from pdserve.protocol.codec import Message, ProtocolError, decode, encode
+from pdserve.protocol.security import security_of
 
 log = logging.getLogger(__name__)
 

@@ -11,15 +11,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.coordinator import Coordinator
-from decode.worker import DecodeWorker
-from engine.engine import LLMEngine
-from engine.kv_events import KVEventPublisher
-from engine.wire import heartbeat, kv_layout
-from kvtransfer import make_receiver, make_sender
-from kvtransfer.faults import FaultPlan
-from prefill.worker import PrefillWorker
-from protocol import messages as m
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.decode.worker import DecodeWorker
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.kvtransfer import make_receiver, make_sender
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.prefill.worker import PrefillWorker
+from pdserve.protocol import messages as m
+from pdserve.worker.wire import heartbeat, kv_layout
 
 
 @dataclass

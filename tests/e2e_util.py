@@ -12,9 +12,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from protocol.sockets import free_port
+from pdserve.protocol.sockets import free_port
 
-PDSERVE = [sys.executable, "-m", "launch.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.launch.cli"]
 LOCAL_SH = ["bash", str(Path(__file__).resolve().parents[1] / "launch" / "local.sh")]
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 16, 25, 33, 60]
 

@@ -13,7 +13,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from engine.attention.flashinfer_backend import PagedIndices
+from pdserve.engine.attention.flashinfer_backend import PagedIndices
 
 
 def attention_from_page_lists(

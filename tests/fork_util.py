@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 from tests.engine_util import make_engine, prompts, run_all
 
 N = 3
@@ -16,7 +16,7 @@ IDS = ["a", "b", "c"]
 
 
 def seeded(choice: int, max_tokens: int = 8, **kw: object) -> SamplingParams:
-    """Choice ``c`` of a seeded request draws from seed + c, as engine/wire.py builds it."""
+    """Choice ``c`` of a seeded request draws from seed + c, as worker/wire.py builds it."""
     return SamplingParams(
         max_tokens=max_tokens, temperature=1.0, seed=40 + choice, ignore_eos=True, **kw
     )

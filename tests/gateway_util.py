@@ -21,16 +21,16 @@ import uvicorn
 import zmq
 from fastapi import FastAPI
 
-from engine.tokenizer import Tokenizer
-from gateway.admission import AdmissionState
-from gateway.app import create_app
-from gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
-from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
-from gateway.reorder import ChoiceOrder
-from protocol import messages as m
-from protocol.codec import encode
-from protocol.sockets import bound_address, make_socket, recv_msg
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.admission import AdmissionState
+from pdserve.gateway.app import create_app
+from pdserve.gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.protocol import messages as m
+from pdserve.protocol.codec import encode
+from pdserve.protocol.sockets import bound_address, make_socket, recv_msg
 
 
 def fake_logprobs(token_id: int, index: int, k: int, vocab_size: int) -> m.TokenLogprob:

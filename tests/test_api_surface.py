@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.api_extras import system_fingerprint
-from gateway.backend import ModelInfo
-from gateway.config import GatewayConfig
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.api_extras import system_fingerprint
+from pdserve.gateway.backend import ModelInfo
+from pdserve.gateway.config import GatewayConfig
 from tests.gateway_util import FakeBackend, Script, Served, serving_config
 
 TINY = ModelInfo("tiny", "/models/tiny", max_model_len=64, created=1700000000)

@@ -14,12 +14,12 @@ import httpx
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.chat_template import load_chat_template, tokenizer_loader
-from gateway.config import GatewayConfig, config_from_args
-from gateway.main import add_gateway_args, run_gateway
-from launch.serve import add_serve_args, worker_commands
-from launch.serve_api import gateway_api_flags
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.chat_template import load_chat_template, tokenizer_loader
+from pdserve.gateway.config import GatewayConfig, config_from_args
+from pdserve.gateway.main import add_gateway_args, run_gateway
+from pdserve.launch.serve import add_serve_args, worker_commands
+from pdserve.launch.serve_api import gateway_api_flags
 from tests.e2e_util import ServedCluster
 
 TEMPLATE = (
@@ -168,7 +168,7 @@ def _command_lines() -> list[str]:
 
 
 def test_flags_are_json_lists_or_commas() -> None:
-    from gateway.config import list_arg
+    from pdserve.gateway.config import list_arg
 
     assert list_arg('["a", "b"]') == ["a", "b"] == list_arg("a, b,")
     with pytest.raises(argparse.ArgumentTypeError):

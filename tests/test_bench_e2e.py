@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench.metrics import METRICS
-from launch.cli import main
+from pdserve.bench.metrics import METRICS
+from pdserve.launch.cli import main
 from tests.e2e_util import ServedCluster
 
 VLLM_KEYS = {

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from bench.client import StreamParser, Target, request_body
-from bench.datasets import BenchRequest
-from bench.metrics import RequestOutput, Slo, parse_slo, percentile_key, summarize
-from bench.report import Progress, result_table, sweep_row
+from pdserve.bench.client import StreamParser, Target, request_body
+from pdserve.bench.datasets import BenchRequest
+from pdserve.bench.metrics import RequestOutput, Slo, parse_slo, percentile_key, summarize
+from pdserve.bench.report import Progress, result_table, sweep_row
 
 
 def data(body: dict) -> str:

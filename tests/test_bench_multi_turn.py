@@ -11,19 +11,19 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.client import StreamParser, Target
-from bench.metrics import RequestOutput, per_turn, summarize
-from bench.multi_turn import (
+from pdserve.bench.client import StreamParser, Target
+from pdserve.bench.metrics import RequestOutput, per_turn, summarize
+from pdserve.bench.multi_turn import (
     MultiTurnSpec,
     build_conversations,
     run_conversations,
     turn_messages,
     turn_request,
 )
-from bench.prompts import WordPrompts
-from bench.report import result_table
-from bench.runner import RunSpec
-from launch.cli import main
+from pdserve.bench.prompts import WordPrompts
+from pdserve.bench.report import result_table
+from pdserve.bench.runner import RunSpec
+from pdserve.launch.cli import main
 from tests.e2e_util import ServedCluster
 
 CHAT = Target("http://fake", "/v1/chat/completions", "m")

@@ -18,8 +18,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.client import sse_lines
-from launch.cli import main
+from pdserve.bench.client import sse_lines
+from pdserve.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sk-stub"
@@ -187,11 +187,12 @@ def test_harness_imports_no_serving_code(stub, tmp_path) -> None:
     url, _ = stub
     argv = bench(url, "--num-prompts=3", "--random-output-len=2", f"--plot={tmp_path}")
     code = (
-        "import sys\nfrom launch.cli import main\n"
+        "import sys\nfrom pdserve.launch.cli import main\n"
         f"assert main({argv!r}) == 0\n"
-        "bad = ('torch', 'engine', 'gateway', 'coordinator', 'prefill', 'decode', 'kvtransfer',"
-        " 'protocol')\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in bad)\n"
+        "bad = ('engine', 'gateway', 'coordinator', 'prefill', 'decode', 'kvtransfer',"
+        " 'protocol', 'worker')\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+        " or m.split('.')[:2] in [['pdserve', b] for b in bad])\n"
         "assert not loaded, loaded\n"
     )
     done = subprocess.run(

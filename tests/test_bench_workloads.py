@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from bench import datasets as ds
-from bench.arrivals import arrival_offsets, parse_rate, schedule
-from bench.prompts import TokenPrompts, WordPrompts, calibrate, load_tokenizer
-from bench.sweep import best_rate, parse_rates, rates_between
+from pdserve.bench import datasets as ds
+from pdserve.bench.arrivals import arrival_offsets, parse_rate, schedule
+from pdserve.bench.prompts import TokenPrompts, WordPrompts, calibrate, load_tokenizer
+from pdserve.bench.sweep import best_rate, parse_rates, rates_between
 
 
 def rng(seed: int = 0) -> np.random.Generator:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.block_manager import BlockManager, NoFreeBlocks, hash_block
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocks, hash_block
 
 
 @dataclass

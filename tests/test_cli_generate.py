@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from engine.tokenizer import Tokenizer
-from launch.cli import main
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.launch.cli import main
 from tests.engine_util import greedy, make_engine
 
 
@@ -37,7 +37,7 @@ def test_console_script_runs(tiny_dir) -> None:
         [
             sys.executable,
             "-m",
-            "launch.cli",
+            "pdserve.launch.cli",
             "generate",
             "--model",
             str(tiny_dir),

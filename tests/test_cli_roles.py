@@ -8,7 +8,7 @@ import sys
 import pytest
 
 CHECK = (
-    "import sys; from launch.cli import main\n"
+    "import sys; from pdserve.launch.cli import main\n"
     "try:\n    main([{role!r}, '--help'])\nexcept SystemExit:\n    pass\n"
     "print('torch' in sys.modules)"
 )
@@ -29,7 +29,7 @@ def test_torch_free_roles(role: str) -> None:
 @pytest.mark.parametrize("role", ["prefill", "decode", "serve"])
 def test_worker_roles_have_their_flags(role: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "launch.cli", role, "--help"],
+        [sys.executable, "-m", "pdserve.launch.cli", role, "--help"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from protocol import messages as m
+from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
@@ -67,7 +67,7 @@ def test_n_choices_and_seeds(cluster_factory) -> None:
     assert len({tuple(t) for t in got.values()}) > 1  # seeds differ per choice
     # choice c equals a colocated run with seed 5 + c
     colocated = make_engine(cluster.workers["p0"].engine.config.model)
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     for c in range(3):
         ref = colocated.generate(

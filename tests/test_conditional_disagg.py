@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from engine.wire import heartbeat
-from protocol import messages as m
+from pdserve.protocol import messages as m
+from pdserve.worker.wire import heartbeat
 from tests.cluster_util import Cluster
 from tests.e2e_util import ServedCluster
 from tests.engine_util import hf_greedy, make_engine, prompts

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.routes import Route, RouteTable
-from protocol import messages as m
+from pdserve.coordinator.routes import Route, RouteTable
+from pdserve.protocol import messages as m
 
 SPEC = m.SamplingSpec(max_tokens=4)
 

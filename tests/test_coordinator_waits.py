@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.coordinator import Coordinator
-from protocol import messages as m
+from pdserve.coordinator.coordinator import Coordinator
+from pdserve.protocol import messages as m
 
 LAYOUT = m.KVLayout(16, "float32", 2, 2, 8)
 SPEC = m.SamplingSpec(max_tokens=4)

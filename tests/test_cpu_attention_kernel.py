@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernel
-from engine.attention.cpu_kernel import KernelPlan, build, find_compiler, load_kernel
+from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend, cpu_kernel
+from pdserve.engine.attention.cpu_kernel import KernelPlan, build, find_compiler, load_kernel
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here")
@@ -153,7 +153,7 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, caplog) -> None:
     monkeypatch.setattr(cpu_kernel, "find_compiler", lambda: None)
     load_kernel.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="engine.attention.cpu_kernel"):
+        with caplog.at_level(logging.INFO, logger="pdserve.engine.attention.cpu_kernel"):
             backend = TorchAttentionBackend(CPU)
             TorchAttentionBackend(CPU)
     finally:
@@ -173,7 +173,7 @@ def test_failed_build_falls_back(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setattr(cpu_kernel, "pdserve_home", lambda: tmp_path)
     load_kernel.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="engine.attention.cpu_kernel"):
+        with caplog.at_level(logging.INFO, logger="pdserve.engine.attention.cpu_kernel"):
             assert load_kernel() is None
     finally:
         load_kernel.cache_clear()
@@ -202,7 +202,7 @@ def test_bf16_cache_is_float32_attention_rounded_once(dim, monkeypatch) -> None:
 def test_fp16_cache_goes_through_torch_logged_once(caplog) -> None:
     meta, cache, qkv = make_step([1] * 6, RAGGED, 9, 3, 64, 16, dtype=torch.float16)
     backend = TorchAttentionBackend(CPU)
-    with caplog.at_level(logging.INFO, logger="engine.attention.torch_backend"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.attention.torch_backend"):
         got, _ = run(backend, meta, cache, qkv)
         run(backend, meta, cache, qkv)
     want, _ = run(TorchAttentionBackend(CPU, cpu_kernel=False), meta, cache, qkv)

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import zmq
 
-from engine.wire import kv_layout
-from protocol import messages as m
-from protocol.codec import decode, encode
+from pdserve.protocol import messages as m
+from pdserve.protocol.codec import decode, encode
+from pdserve.worker.wire import kv_layout
 from tests.e2e_util import ServedCluster
 from tests.engine_util import make_engine
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from protocol.sockets import free_port
+from pdserve.protocol.sockets import free_port
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 
@@ -36,7 +36,7 @@ def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs, tmp_path) ->
     coordinator = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
     # the cluster's keys, as for several nodes: every role here runs as node "a"
-    keygen = [sys.executable, "-m", "launch.cli", "keygen", f"--out={tmp_path / 'keys'}"]
+    keygen = [sys.executable, "-m", "pdserve.launch.cli", "keygen", f"--out={tmp_path / 'keys'}"]
     subprocess.run([*keygen, "--nodes", "a", "b"], check=True)
     env = {
         **os.environ,

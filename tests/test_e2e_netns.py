@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.engine_util import greedy, make_engine
 
 SUBNET = "10.200.77"
@@ -86,7 +86,7 @@ def hosts():
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small preset: slow enough on CPU that a long stream is still going when cut."""
-    from engine.make_model import make_model
+    from pdserve.engine.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("small") / "small", preset="small")
 
@@ -94,7 +94,7 @@ def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_roles_on_separate_hosts_survive_a_cut_link(
     hosts: Hosts, small_dir: Path, tmp_path: Path
 ) -> None:
-    pdserve = [sys.executable, "-m", "launch.cli"]
+    pdserve = [sys.executable, "-m", "pdserve.launch.cli"]
     coordinator = f"tcp://{hosts.addr('coord')}:5550"
     common = [
         f"--model={small_dir}",

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.e2e_util import LOCAL_SH, PDSERVE, ServedCluster
 from tests.engine_util import greedy, hf_greedy, make_engine
 

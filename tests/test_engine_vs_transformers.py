@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_manager import block_hashes
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import block_hashes
+from pdserve.engine.sequence import Sequence
 from tests.conftest import ARCHS
 from tests.engine_util import (
     greedy,

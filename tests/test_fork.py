@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager
 from tests.engine_util import greedy, hf_greedy, make_engine, run_all
 from tests.fork_util import (
     IDS,

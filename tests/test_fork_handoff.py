@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from protocol import messages as m
+from pdserve.protocol import messages as m
 from tests.engine_util import greedy, make_engine, run_all
 from tests.fork_util import (
     IDS,

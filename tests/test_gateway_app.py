@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.app import create_app
-from gateway.backend import ModelInfo, WorkerStats
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.gateway.backend import ModelInfo, WorkerStats
 from tests.gateway_util import FakeBackend, Script, parse_prometheus, running_server, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -440,9 +440,9 @@ def test_gateway_does_not_import_torch() -> None:
     modules = ["app", "backend", "choices", "detokenizer", "errors", "generation", "jobs"]
     modules += ["logprobs", "metrics", "openai_models", "stop", "stream"]
     modules += ["admission", "config", "drain"]
-    imports = "; ".join(f"import gateway.{m}" for m in modules)
+    imports = "; ".join(f"import pdserve.gateway.{m}" for m in modules)
     code = f"import sys; {imports}; print('torch' in sys.modules)"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )

@@ -10,13 +10,13 @@ import json
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.config import GatewayConfig
-from gateway.errors import OpenAIError
-from gateway.generation import Generation
-from gateway.jobs import prepare_completion
-from gateway.openai_models import CompletionRequest
-from gateway.prompt_guard import CHUNK_CHARS, check_prompt_size
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.errors import OpenAIError
+from pdserve.gateway.generation import Generation
+from pdserve.gateway.jobs import prepare_completion
+from pdserve.gateway.openai_models import CompletionRequest
+from pdserve.gateway.prompt_guard import CHUNK_CHARS, check_prompt_size
 from tests.gateway_util import COMPLETION, MODELS, FakeBackend, Script, Serve, error
 
 

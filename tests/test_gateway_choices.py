@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import BackendError
-from gateway.choices import ChoiceState, ChoiceUpdate
-from gateway.logprobs import LogprobEntry, TokenTexts
-from protocol.messages import TokenChunk, TokenLogprob
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import BackendError
+from pdserve.gateway.choices import ChoiceState, ChoiceUpdate
+from pdserve.gateway.logprobs import LogprobEntry, TokenTexts
+from pdserve.protocol.messages import TokenChunk, TokenLogprob
 
 HELLO = [39, 327, 302, 891, 372, 0, 342, 948, 13]  # H|el|lo| wor|ld|!| The| end|.
 EMOJI = [573, 322, 246, 222]  # é + 😀 in three byte tokens

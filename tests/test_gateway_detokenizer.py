@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.detokenizer import IncrementalDetokenizer
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world",

@@ -11,14 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.admission import AdmissionState
-from gateway.config import GatewayConfig
-from gateway.drain import shutdown_error
-from gateway.generation import Generation
-from gateway.jobs import prepare_completion
-from gateway.openai_models import CompletionRequest
-from gateway.stream import stream_events
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.admission import AdmissionState
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.drain import shutdown_error
+from pdserve.gateway.generation import Generation
+from pdserve.gateway.jobs import prepare_completion
+from pdserve.gateway.openai_models import CompletionRequest
+from pdserve.gateway.stream import stream_events
 from tests.gateway_util import (
     COMPLETION,
     MODELS,

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.admission import key_matches
-from gateway.config import API_KEY_ENV, GatewayConfig, add_config_args, config_from_args
-from gateway.main import add_gateway_args, run_gateway
+from pdserve.gateway.admission import key_matches
+from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, add_config_args, config_from_args
+from pdserve.gateway.main import add_gateway_args, run_gateway
 from tests.gateway_util import COMPLETION, Serve, error, wait_for
 
 # ---- API keys ----------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from protocol import messages as m
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.protocol import messages as m
 from tests.gateway_util import ClusterScript, FakeCluster, chunk, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,10 +30,10 @@ class GatewayProcess:
     """``python -m launch.cli gateway`` on a free port; its output is collected as it comes."""
 
     def __init__(self, coordinator: str, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "launch.cli", "gateway", "--coordinator", coordinator,
+        cmd = [sys.executable, "-m", "pdserve.launch.cli", "gateway", "--coordinator", coordinator,
                "--port", "0", *extra]  # fmt: skip
         # the coordinator here is a plain-socket test double: no CURVE keys
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_INSECURE": "1"}
+        env = {**os.environ, "PDSERVE_INSECURE": "1"}
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from engine.tokenizer import Tokenizer
-from gateway.app import create_app
-from gateway.backend import ModelInfo
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.gateway.backend import ModelInfo
 from tests.gateway_util import FakeBackend, Script, running_server
 
 MAX_EXAMPLES = 60  # per operation and generation mode

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.app import create_app
-from gateway.backend import ModelInfo
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.app import create_app
+from pdserve.gateway.backend import ModelInfo
 from tests.gateway_util import FakeBackend, Script, running_server
 
 MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=64)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backend import WorkerStats
-from gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry
+from pdserve.gateway.backend import WorkerStats
+from pdserve.gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry
 from tests.gateway_util import parse_prometheus
 
 

@@ -12,15 +12,15 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import GenerateRequest
-from gateway.config import GatewayConfig
-from gateway.generation import Generation
-from gateway.jobs import Job
-from gateway.reorder import ChoiceOrder
-from gateway.stream import stream_events
-from gateway.zmq_backend import ZmqBackend
-from protocol import messages as m
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import GenerateRequest
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.generation import Generation
+from pdserve.gateway.jobs import Job
+from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.gateway.stream import stream_events
+from pdserve.gateway.zmq_backend import ZmqBackend
+from pdserve.protocol import messages as m
 from tests.gateway_util import MODELS, FakeBackend, FakeCluster, Script, Serve, chunk, wait_for
 
 TEXT = "one two three four five six seven"

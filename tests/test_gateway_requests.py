@@ -8,11 +8,11 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import ModelInfo
-from gateway.errors import OpenAIError, error_param, from_validation, model_not_found
-from gateway.jobs import prepare_chat, prepare_completion
-from gateway.openai_models import (
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import ModelInfo
+from pdserve.gateway.errors import OpenAIError, error_param, from_validation, model_not_found
+from pdserve.gateway.jobs import prepare_chat, prepare_completion
+from pdserve.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import GenerateRequest
-from gateway.choices import ChoiceUpdate
-from gateway.generation import Generation, Usage
-from gateway.jobs import Job
-from gateway.metrics import GatewayMetrics
-from gateway.stream import (
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import GenerateRequest
+from pdserve.gateway.choices import ChoiceUpdate
+from pdserve.gateway.generation import Generation, Usage
+from pdserve.gateway.jobs import Job
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.stream import (
     ChoiceResult,
     ChunkEvents,
     chunk_body,
@@ -242,7 +242,7 @@ def test_collect_equals_stream_and_counts_metrics(tokenizer: Tokenizer) -> None:
 
 
 def test_rejected_submit_raises_before_any_output(tokenizer: Tokenizer) -> None:
-    from gateway.backend import BackendError
+    from pdserve.gateway.backend import BackendError
 
     backend = fake(Script([[39]], reject_status=429))
     with pytest.raises(BackendError) as info:

@@ -25,14 +25,14 @@ import uvicorn
 import zmq
 from fastapi import FastAPI
 
-from engine.tokenizer import Tokenizer
-from gateway.backend import BackendError, GenerateRequest
-from gateway.config import GatewayConfig
-from gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
-from gateway.zmq_backend import ZmqBackend, check_finish, sampling_spec
-from protocol import messages as m
-from protocol.codec import ProtocolError, decode, encode
-from protocol.sockets import make_socket
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import BackendError, GenerateRequest
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
+from pdserve.gateway.zmq_backend import ZmqBackend, check_finish, sampling_spec
+from pdserve.protocol import messages as m
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.sockets import make_socket
 from tests.gateway_util import ClusterScript, FakeCluster, chunk, parse_prometheus, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -294,7 +294,7 @@ def test_bad_messages_on_the_stream_are_dropped(
     client: openai.OpenAI,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gateway.zmq_backend")
+    caplog.set_level(logging.WARNING, logger="pdserve.gateway.zmq_backend")
     bad = [
         [b"garbage"],
         [msgpack.packb({"type": "nope", "v": 1})],
@@ -401,8 +401,11 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_gateway_modules_do_not_import_torch() -> None:
-    code = "import sys, gateway.main, gateway.zmq_backend; print('torch' in sys.modules)"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = (
+        "import sys, pdserve.gateway.main, pdserve.gateway.zmq_backend;"
+        " print('torch' in sys.modules)"
+    )
+    env = dict(os.environ)
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )

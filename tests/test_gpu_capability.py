@@ -12,26 +12,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import platform
-from engine.attention import TorchAttentionBackend, make_backend
-from engine.config import ConfigError
-from kvtransfer import make_receiver, make_sender
-from kvtransfer.base import TransferError
+from pdserve.engine import platform
+from pdserve.engine.attention import TorchAttentionBackend, make_backend
+from pdserve.engine.config import ConfigError
+from pdserve.kvtransfer import make_receiver, make_sender
+from pdserve.kvtransfer.base import TransferError
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODULES = [
-    "engine.platform",
-    "engine.attention.flashinfer_backend",
-    "engine.cuda_graphs",
-    "kvtransfer.gpu_wire",
-    "kvtransfer.gpu_sender",
-    "kvtransfer.gpu_receiver",
-    "kvtransfer.cuda_ipc_backend",
-    "kvtransfer.nccl_backend",
-    "bench.gpu",
-    "bench.gpu_model",
-    "bench.gpu_attention",
-    "bench.gpu_serving",
+    "pdserve.engine.platform",
+    "pdserve.engine.attention.flashinfer_backend",
+    "pdserve.engine.cuda_graphs",
+    "pdserve.kvtransfer.gpu_wire",
+    "pdserve.kvtransfer.gpu_sender",
+    "pdserve.kvtransfer.gpu_receiver",
+    "pdserve.kvtransfer.cuda_ipc_backend",
+    "pdserve.kvtransfer.nccl_backend",
+    "pdserve.bench.gpu",
+    "pdserve.bench.gpu_model",
+    "pdserve.bench.gpu_attention",
+    "pdserve.bench.gpu_serving",
 ]
 
 

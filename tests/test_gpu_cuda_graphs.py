@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import TorchAttentionBackend
-from engine.attention.flashinfer_backend import write_kv_masked
-from engine.cli_args import add_engine_args, engine_config_from_args
-from engine.config import EngineConfig
-from engine.cuda_graphs import (
+from pdserve.engine.attention import TorchAttentionBackend
+from pdserve.engine.attention.flashinfer_backend import write_kv_masked
+from pdserve.engine.cli_args import add_engine_args, engine_config_from_args
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import (
     bucket_for,
     capture_sizes,
     decode_slots,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
-from engine.attention.flashinfer_backend import (
+from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     PagedIndices,
     paged_kv_indices,

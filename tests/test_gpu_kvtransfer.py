@@ -13,15 +13,15 @@ import torch
 import zmq
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kvtransfer import common
-from kvtransfer import gpu_wire as w
-from kvtransfer.base import KVPoll, TransferError, TransferSpec
-from kvtransfer.cuda_ipc_backend import block_runs, copy_blocks
-from kvtransfer.faults import FaultPlan
-from kvtransfer.gpu_receiver import GpuKVReceiver
-from kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
-from protocol.codec import ProtocolError
-from protocol.messages import KVLayout
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer import gpu_wire as w
+from pdserve.kvtransfer.base import KVPoll, TransferError, TransferSpec
+from pdserve.kvtransfer.cuda_ipc_backend import block_runs, copy_blocks
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.kvtransfer.gpu_receiver import GpuKVReceiver
+from pdserve.kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.messages import KVLayout
 
 # the transfer secret each receiver returned from ``expect``, by request id
 SECRETS: dict[str, bytes] = {}
@@ -303,7 +303,7 @@ class IpcLikeReceiver(LoopReceiver):
 def test_granted_copy_is_waited_for_on_release(monkeypatch, caplog) -> None:
     import threading
 
-    from kvtransfer import gpu_receiver
+    from pdserve.kvtransfer import gpu_receiver
 
     monkeypatch.setattr(gpu_receiver, "RELEASE_GRACE_S", 1.0)
     receiver = IpcLikeReceiver(cache(1))

@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
-from engine.block_manager import NoFreeBlocks
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_manager import NoFreeBlocks
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from tests.engine_util import greedy, hf_greedy, make_engine, prompts, run_all
 
 

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from coordinator.kv_index import KVIndex
-from coordinator.registry import WorkerRegistry
-from coordinator.trust import kv_events_problem
-from engine.block_manager import BlockManager
-from engine.kv_events import KVEventPublisher
-from protocol import messages as m
-from protocol.prefix import MAX_KV_EVENT_HASHES, block_hashes, cacheable_hashes
+from pdserve.coordinator.kv_index import KVIndex
+from pdserve.coordinator.registry import WorkerRegistry
+from pdserve.coordinator.trust import kv_events_problem
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.protocol import messages as m
+from pdserve.protocol.prefix import MAX_KV_EVENT_HASHES, block_hashes, cacheable_hashes
 from tests.test_block_manager import Seq, run
 
 A = list(range(100, 112))  # 3 blocks of 4

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from coordinator.main import add_coordinator_args, add_routing_args, routing_flags
-from protocol import messages as m
-from protocol.prefix import block_hashes
+from pdserve.coordinator.main import add_coordinator_args, add_routing_args, routing_flags
+from pdserve.protocol import messages as m
+from pdserve.protocol.prefix import block_hashes
 from tests.cluster_util import Cluster
 from tests.e2e_util import ServedCluster
 from tests.engine_util import hf_greedy, make_engine, prompts

@@ -12,8 +12,8 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer import backends, make_receiver, make_sender
-from kvtransfer.base import (
+from pdserve.kvtransfer import backends, make_receiver, make_sender
+from pdserve.kvtransfer.base import (
     KVLayout,
     KVPoll,
     KVReceiver,
@@ -23,9 +23,9 @@ from kvtransfer.base import (
     TransferSpec,
     check_layouts,
 )
-from kvtransfer.common import layout_of
-from kvtransfer.ucx_backend import ucx_unavailable_reason
-from protocol.sockets import free_port, ipc_address
+from pdserve.kvtransfer.common import layout_of
+from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
+from pdserve.protocol.sockets import free_port, ipc_address
 
 # the transfer secret each receiver returned from ``expect``, by request id
 SECRETS: dict[str, bytes] = {}

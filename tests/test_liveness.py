@@ -14,10 +14,10 @@ import time
 import pytest
 import zmq
 
-from protocol import messages as m
-from protocol.liveness import Liveness
-from protocol.loop import PushOutbox, serve
-from protocol.sockets import bound_address, make_socket, recv_msg
+from pdserve.protocol import messages as m
+from pdserve.protocol.liveness import Liveness
+from pdserve.protocol.loop import PushOutbox, serve
+from pdserve.protocol.sockets import bound_address, make_socket, recv_msg
 
 LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
 REGISTER = m.Register("both", "w0", "tiny", "tcp://127.0.0.1:1", "", "zmq", LAYOUT, 128)
@@ -59,7 +59,7 @@ def test_keepalives_every_period_each_status_once_and_silence_when_wedged(tmp_pa
     assert sent == [(0.0, REGISTER), (0.6, hb1)] + [(float(t), REGISTER) for t in range(1, 13)]
     assert not lv.stalled and "stack" not in caplog.text
 
-    with caplog.at_level(logging.ERROR, logger="protocol.liveness"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.protocol.liveness"):
         for t in range(13, 20):
             at(float(t))
     assert len(sent) == 14  # silent from t=13: quiet 11 s > 10 s
@@ -211,7 +211,7 @@ def test_a_wedged_loop_goes_silent_with_its_stacks_and_speaks_again(rig, tmp_pat
                 three_silent_ticks.set()
 
     r.liveness.tick = counted_tick
-    with caplog.at_level(logging.WARNING, logger="protocol.liveness"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.protocol.liveness"):
         r.thread.start()
         assert r.worker.in_long_step.wait(WAIT_S)
         assert three_silent_ticks.wait(WAIT_S)

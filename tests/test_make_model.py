@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine import make_model as mm
-from engine.make_model import default_model_dir, make_model, train_tokenizer
+from pdserve.engine import make_model as mm
+from pdserve.engine.make_model import default_model_dir, make_model, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -211,8 +211,8 @@ def test_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_default_model_dir_concurrent_makers(tmp_path: Path) -> None:
-    code = "from engine.make_model import default_model_dir; print(default_model_dir())"
-    env = {**os.environ, "PDSERVE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    code = "from pdserve.engine.make_model import default_model_dir; print(default_model_dir())"
+    env = {**os.environ, "PDSERVE_HOME": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(3)

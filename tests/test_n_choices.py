@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from kvtransfer.faults import FaultPlan
-from protocol import messages as m
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 

@@ -3,8 +3,8 @@ so the prefill worker moves only the rest (a chat's second turn moves only its n
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from protocol import messages as m
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 

@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import sockets
-from protocol.codec import registered
-from protocol.loop import PushOutbox
-from protocol.messages import (
+from pdserve.protocol import sockets
+from pdserve.protocol.codec import registered
+from pdserve.protocol.loop import PushOutbox
+from pdserve.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Accepted,
@@ -155,8 +155,8 @@ def test_large_bytes_travel_as_extra_frames() -> None:
 
 
 def test_sampling_spec_mirrors_sampling_params() -> None:
-    from engine.sampling_params import SamplingParams
-    from engine.sequence import TokenLogprob as EngineLogprob
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sequence import TokenLogprob as EngineLogprob
 
     assert dataclasses.asdict(SamplingSpec()) == dataclasses.asdict(SamplingParams())
     params = SamplingParams(**dataclasses.asdict(SPEC))

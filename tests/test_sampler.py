@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, _top_k_top_p
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.sampler import Sampler, _top_k_top_p
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 from tests.engine_util import greedy, hf_greedy, hf_last_logits, make_engine, prompts, run_all
 
 
@@ -165,7 +165,7 @@ def _top_k_top_p_by_sorting(logits: torch.Tensor, top_k: list[int], top_p: list[
 
 
 def test_top_k_top_p_without_a_full_sort_keeps_exactly_what_sorting_keeps() -> None:
-    from engine.sampler import _top_k_top_p
+    from pdserve.engine.sampler import _top_k_top_p
 
     g = torch.Generator().manual_seed(0)
     vocab = 5000

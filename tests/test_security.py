@@ -18,12 +18,12 @@ import httpx
 import pytest
 import zmq
 
-from coordinator.main import GATEWAY_IDLE_S, _Outbox
-from engine.tokenizer import Tokenizer
-from launch.keygen import keygen
-from protocol import messages as m
-from protocol.security import KeysError, SecureContext, Security
-from protocol.sockets import bound_address, make_socket, recv_from, send_msg
+from pdserve.coordinator.main import GATEWAY_IDLE_S, _Outbox
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.launch.keygen import keygen
+from pdserve.protocol import messages as m
+from pdserve.protocol.security import KeysError, SecureContext, Security
+from pdserve.protocol.sockets import bound_address, make_socket, recv_from, send_msg
 from tests.e2e_util import PDSERVE, ServedCluster
 from tests.engine_util import greedy, make_engine
 

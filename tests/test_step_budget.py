@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.step_budget import StepBudget, calibrate_step_budget, fit_step_tokens
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.step_budget import StepBudget, calibrate_step_budget, fit_step_tokens
 from tests.engine_util import greedy, prompts
 
 
@@ -68,7 +68,7 @@ def test_results_are_whole_blocks_rounded_down() -> None:
 
 
 def test_never_below_max_num_seqs(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.step_budget"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.step_budget"):
         budget = fit(lambda n: float(n))  # a second a token: nothing fits
     assert budget == StepBudget(64, 0.5, ((256, 256.0), (64, 64.0)))
     assert "over the 500 ms step budget, and no smaller step is allowed" in caplog.text

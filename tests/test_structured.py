@@ -11,11 +11,11 @@ import re
 import jsonschema_rs
 import pytest
 
-from engine.grammar import GrammarCache, grammar_text
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from kvtransfer.faults import FaultPlan
-from protocol import messages as m
+from pdserve.engine.grammar import GrammarCache, grammar_text
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine
 from tests.test_worker_death import kill

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.make_model import make_model
-from engine.tokenizer import Tokenizer
+from pdserve.engine.make_model import make_model
+from pdserve.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,8 +76,11 @@ def _variant(src: Path, dst: Path, **tokenizer_config: object) -> Path:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, engine.tokenizer; print(sorted(m for m in sys.modules if m == 'torch'))"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = (
+        "import sys, pdserve.engine.tokenizer;"
+        " print(sorted(m for m in sys.modules if m == 'torch'))"
+    )
+    env = dict(os.environ)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

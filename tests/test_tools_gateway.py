@@ -13,12 +13,12 @@ import httpx
 import openai
 import pytest
 
-from engine.make_model import make_model
-from engine.tokenizer import Tokenizer
-from gateway.backend import ModelInfo
-from gateway.config import GatewayConfig
-from gateway.openai_models import ChatCompletionRequest
-from gateway.tools.constraint import tool_choice_constraint
+from pdserve.engine.make_model import make_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import ModelInfo
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.openai_models import ChatCompletionRequest
+from pdserve.gateway.tools.constraint import tool_choice_constraint
 from tests.gateway_util import FakeBackend, Script, Served, serving_config
 
 MODELS = [ModelInfo(name, f"/models/{name}", max_model_len=2048) for name in ("hermes", "llama3")]

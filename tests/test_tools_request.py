@@ -9,19 +9,19 @@ from pathlib import Path
 import jsonschema_rs
 import pytest
 
-from engine.grammar import grammar_text
-from engine.make_model import add_make_model_args, make_model, run_make_model
-from engine.tokenizer import Tokenizer
-from gateway.backend import ModelInfo
-from gateway.config import GatewayConfig, config_from_args
-from gateway.errors import OpenAIError, from_validation
-from gateway.jobs import prepare_chat
-from gateway.main import add_gateway_args
-from gateway.openai_models import ChatCompletionRequest, check_supported
-from gateway.tools.constraint import required_schema, tool_choice_constraint
-from gateway.tools.request import ToolPlan, template_features, tool_plan
-from launch.serve import add_serve_args
-from launch.serve_api import gateway_api_flags
+from pdserve.engine.grammar import grammar_text
+from pdserve.engine.make_model import add_make_model_args, make_model, run_make_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.backend import ModelInfo
+from pdserve.gateway.config import GatewayConfig, config_from_args
+from pdserve.gateway.errors import OpenAIError, from_validation
+from pdserve.gateway.jobs import prepare_chat
+from pdserve.gateway.main import add_gateway_args
+from pdserve.gateway.openai_models import ChatCompletionRequest, check_supported
+from pdserve.gateway.tools.constraint import required_schema, tool_choice_constraint
+from pdserve.gateway.tools.request import ToolPlan, template_features, tool_plan
+from pdserve.launch.serve import add_serve_args
+from pdserve.launch.serve_api import gateway_api_flags
 from tests.test_gateway_requests import validation_error
 
 MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=2048)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from gateway.choices import ChoiceUpdate
-from gateway.tools.calls import ToolCallDelta, accumulate, call_from_json, delta_json
-from gateway.tools.output import ToolOutput
-from gateway.tools.request import ToolPlan
-from gateway.tools.stages import make_stage
+from pdserve.gateway.choices import ChoiceUpdate
+from pdserve.gateway.tools.calls import ToolCallDelta, accumulate, call_from_json, delta_json
+from pdserve.gateway.tools.output import ToolOutput
+from pdserve.gateway.tools.request import ToolPlan
+from pdserve.gateway.tools.stages import make_stage
 
 HERMES = ToolPlan("auto", parser="hermes")
 LLAMA3 = ToolPlan("auto", parser="llama3_json")

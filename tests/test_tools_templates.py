@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf_convert import convert_gguf, tool_chat_template
-from engine.make_model import make_model
-from engine.tokenizer import Tokenizer
-from gateway.openai_models import ChatCompletionRequest
-from gateway.tools.request import template_features
+from pdserve.engine.gguf_convert import convert_gguf, tool_chat_template
+from pdserve.engine.make_model import make_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.openai_models import ChatCompletionRequest
+from pdserve.gateway.tools.request import template_features
 
 transformers = pytest.importorskip("transformers")
 

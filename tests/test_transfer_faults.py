@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.faults import FaultPlan
-from protocol import messages as m
+from pdserve.kvtransfer.faults import FaultPlan
+from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from engine.wire import heartbeat
-from protocol import messages as m
+from pdserve.protocol import messages as m
+from pdserve.worker.wire import heartbeat
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 

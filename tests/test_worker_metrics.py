@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from coordinator.trust import counters_problem
-from engine.wire import block_bytes
-from gateway.backend import WorkerStats
-from gateway.metrics import GatewayMetrics
-from protocol import messages as m
+from pdserve.coordinator.trust import counters_problem
+from pdserve.gateway.backend import WorkerStats
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.protocol import messages as m
+from pdserve.worker.wire import block_bytes
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine, prompts
 

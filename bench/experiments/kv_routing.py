@@ -43,10 +43,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from bench.cluster import ServeProcess  # noqa: E402
-from launch.serve import pdserve_command  # noqa: E402
+from pdserve.bench.cluster import ServeProcess  # noqa: E402
+from pdserve.launch.serve import pdserve_command  # noqa: E402
 
 ARMS = ("kv", "load")
 FIGURES = (  # (key in a run's figures, label, format)
@@ -107,7 +106,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_dir(name: str) -> str:
     """A directory for ``--model`` (pulling or making it on first use)."""
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     return resolve_model(name)
 

@@ -29,12 +29,11 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from bench.cluster import ServeProcess  # noqa: E402
-from bench.peers.mbu import mbu, read_bandwidth, weight_bytes  # noqa: E402
-from launch.serve import pdserve_command  # noqa: E402
-from protocol.sockets import free_port  # noqa: E402
+from pdserve.bench.cluster import ServeProcess  # noqa: E402
+from pdserve.bench.peers.mbu import mbu, read_bandwidth, weight_bytes  # noqa: E402
+from pdserve.launch.serve import pdserve_command  # noqa: E402
+from pdserve.protocol.sockets import free_port  # noqa: E402
 
 SERVERS = ("vllm", "colocated", "disagg")
 METRICS = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "p99_tpot_ms")
@@ -113,7 +112,7 @@ def bench_once(url: str, model: str, c: int, args: argparse.Namespace, out: Path
 
 
 def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     model = resolve_model(name)
     runs: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in args.concurrency} for s in SERVERS}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ConfigError
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.config import ConfigError
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "make_backend"]
 
@@ -19,13 +19,13 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchAttentionBackend(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
-    from engine.platform import flashinfer_status
+    from pdserve.engine.platform import flashinfer_status
 
     usable, reason = flashinfer_status()
     if device.type != "cuda":
         usable, reason = False, f"device is {device}, flashinfer needs a CUDA device; {reason}"
     if usable:
-        from engine.attention.flashinfer_backend import FlashInferBackend
+        from pdserve.engine.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(device)
     if name == "flashinfer":

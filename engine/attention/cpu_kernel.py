@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.envs import pdserve_home
+from pdserve.envs import pdserve_home
 
 logger = logging.getLogger(__name__)
 

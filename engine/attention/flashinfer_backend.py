@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 

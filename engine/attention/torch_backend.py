@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.cpu_kernel import CpuDecodeKernel, KernelPlan, load_kernel
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.cpu_kernel import CpuDecodeKernel, KernelPlan, load_kernel
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.tools.models import NamedToolChoice, Tool
-from gateway.tools.request import ToolRequest, unknown_function
-from protocol.messages import StructuredSpec
+from pdserve.gateway.tools.models import NamedToolChoice, Tool
+from pdserve.gateway.tools.request import ToolRequest, unknown_function
+from pdserve.protocol.messages import StructuredSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: left as given

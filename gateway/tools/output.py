@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gateway.choices import ChoiceUpdate
-from gateway.tools.calls import new_call_id
-from gateway.tools.request import ToolPlan
-from gateway.tools.stages import make_stage
+from pdserve.gateway.choices import ChoiceUpdate
+from pdserve.gateway.tools.calls import new_call_id
+from pdserve.gateway.tools.request import ToolPlan
+from pdserve.gateway.tools.stages import make_stage
 
 
 class ToolOutput:

@@ -26,9 +26,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from engine.tokenizer import Tokenizer, template_variables
-from gateway.errors import OpenAIError, invalid_request
-from gateway.tools.models import MAX_SCHEMA_CHARS, NamedToolChoice, Tool, ToolCall, ToolChoice
+from pdserve.engine.tokenizer import Tokenizer, template_variables
+from pdserve.gateway.errors import OpenAIError, invalid_request
+from pdserve.gateway.tools.models import (
+    MAX_SCHEMA_CHARS,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 PARSERS = ("hermes", "llama3_json")
 TOOL_CALL_TAG = "<tool_call>"

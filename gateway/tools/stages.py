@@ -22,8 +22,8 @@ import json
 from collections.abc import Callable
 from typing import Protocol
 
-from gateway.tools.calls import ToolCallDelta, call_from_json, new_call_id
-from gateway.tools.request import TOOL_CALL_TAG, ToolPlan
+from pdserve.gateway.tools.calls import ToolCallDelta, call_from_json, new_call_id
+from pdserve.gateway.tools.request import TOOL_CALL_TAG, ToolPlan
 
 Output = tuple[str, list[ToolCallDelta]]  # (content, tool-call deltas)
 TOOL_CALL, END_TOOL_CALL = TOOL_CALL_TAG, "</tool_call>"

@@ -6,11 +6,11 @@ import bisect
 import dataclasses
 from typing import Protocol
 
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
-from kvtransfer.common import layout_of
-from protocol import messages as m
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprob
+from pdserve.kvtransfer.common import layout_of
+from pdserve.protocol import messages as m
 
 
 class Outbox(Protocol):

@@ -1,0 +1,53 @@
+"""``pdserve decode``: a decode worker (worker/process.py around a ``DecodeWorker``);
+``--colocated`` makes it prefill too (role ``both``, the colocated baseline)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.worker.args import add_worker_args
+from pdserve.worker.process import RoleParts, WorkerContext, run_worker
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    g = add_worker_args(parser)
+    g.add_argument("--transfer-bind", default=None, help="KV receiver address")
+    g.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also prefill locally (role 'both': the colocated baseline)",
+    )
+    g.add_argument(
+        "--kv-failure-policy",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="when a KV transfer fails: prefill here instead, or end the request",
+    )
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    return run_worker(args, "decode", _build)
+
+
+def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
+    from pdserve.decode.worker import DecodeWorker
+    from pdserve.kvtransfer import make_receiver
+
+    transport = make_receiver(
+        args.transfer_backend,
+        ctx.engine.runner.kv_cache.layers,
+        args.transfer_bind,
+        require_checksum=args.kv_checksum,
+        **ctx.transport_options,
+    )
+    worker = DecodeWorker(
+        ctx.engine,
+        transport,
+        ctx.worker_id,
+        ctx.outbox,
+        args.transfer_timeout,
+        args.kv_failure_policy,
+    )
+    return RoleParts(
+        worker, transport, transport.address, wire_role="both" if args.colocated else "decode"
+    )

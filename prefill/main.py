@@ -1,0 +1,36 @@
+"""``pdserve prefill``: a prefill worker (worker/process.py around a ``PrefillWorker``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.worker.args import add_worker_args
+from pdserve.worker.process import RoleParts, WorkerContext, run_worker
+
+
+def add_prefill_args(parser: argparse.ArgumentParser) -> None:
+    g = add_worker_args(parser)
+    g.add_argument(
+        "--kv-fault",
+        default=None,
+        metavar="MODE[:RATE[:DELAY_S]]",
+        help="inject transfer faults (testing): drop, delay, truncate, corrupt",
+    )
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    return run_worker(args, "prefill", _build)
+
+
+def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
+    from pdserve.kvtransfer import make_sender
+    from pdserve.prefill.worker import PrefillWorker
+
+    options = dict(ctx.transport_options)
+    if args.kv_fault:
+        from pdserve.kvtransfer.faults import FaultPlan
+
+        options["fault"] = FaultPlan.parse(args.kv_fault)
+    transport = make_sender(args.transfer_backend, checksum=args.kv_checksum, **options)
+    worker = PrefillWorker(ctx.engine, transport, ctx.worker_id, ctx.outbox, args.transfer_timeout)
+    return RoleParts(worker, transport)
