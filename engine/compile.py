@@ -28,12 +28,8 @@ from torch._inductor import config as inductor_config
 from torch.fx.experimental import _config as shape_config
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
-from pdserve.engine.attention.torch_backend import (
-    KVSlots,
-    TorchAttentionBackend,
-    decode_attention,
-    write_kv_slots,
-)
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.torch_ops import KVSlots, decode_attention, write_kv_slots
 from pdserve.engine.config import ConfigError
 from pdserve.engine.model import CausalLM
 

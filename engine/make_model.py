@@ -12,8 +12,6 @@ random but fixed by the seed, so transformers and our engine can be compared log
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import os
 import shutil
 import tempfile
@@ -21,36 +19,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tokenizers
 import torch
 from safetensors.torch import save_file
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from pdserve.engine.make_tokenizer import (
+    BOS,
+    END_OF_TEXT,
+    IM_END,
+    SPECIAL_TOKENS,
+    TEMPLATES,
+    build_tokenizer,
+    write_json,
+    write_tokenizer_config,
+)
 from pdserve.engine.model_store import models_dir
 
-DATA_DIR = Path(__file__).parent / "data"
-BOS, END_OF_TEXT, IM_START, IM_END, PAD = SPECIAL_TOKENS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|pad|>",
-)
-VOCAB_SIZE = 2048
-# chat templates: plain ChatML, or ChatML turns with tools in a family's style (both render a
-# conversation without tools exactly as plain ChatML does)
-TEMPLATES = {
-    "chatml": "chatml.jinja",
-    "hermes": "chatml_tools.jinja",
-    "llama3": "llama3_tools.jinja",
-}
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_THETA = 10000.0
-QWEN_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 @dataclass(frozen=True)
@@ -99,10 +85,10 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"), pretty=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    _write_json(out / "config.json", _model_config(p, arch, dtype, tok.get_vocab_size(), ids))
+    write_json(out / "config.json", _model_config(p, arch, dtype, tok.get_vocab_size(), ids))
     generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[IM_END], ids[END_OF_TEXT]]}
-    _write_json(out / "generation_config.json", generation)
-    _write_tokenizer_config(out, arch, p.max_position_embeddings, ids, template)
+    write_json(out / "generation_config.json", generation)
+    write_tokenizer_config(out, arch, p.max_position_embeddings, ids, template)
     _save_tensors(tensors, out, num_shards)
     return out
 
@@ -125,55 +111,6 @@ def default_model_dir(preset: str = "tiny") -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def train_tokenizer() -> tokenizers.Tokenizer:
-    """Byte-level BPE on the bundled corpus (deterministic), specials at the top ids."""
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = (DATA_DIR / "corpus.txt").read_text(encoding="utf-8")
-    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
-    specials = [tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    tok.add_special_tokens(specials)
-    if tok.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"trained vocab has {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
-    return tok
-
-
-@functools.lru_cache(maxsize=1)
-def _trained_tokenizer_json() -> str:
-    return train_tokenizer().to_str()
-
-
-def build_tokenizer(arch: str) -> tokenizers.Tokenizer:
-    """The trained tokenizer dressed as the arch's own: Llama 3 prepends the bos; Qwen adds
-    none, and gets Qwen's NFC + digit-splitting pre-tokenizer, which transformers 5 imposes
-    on model_type qwen2 whatever tokenizer.json says."""
-    tok = tokenizers.Tokenizer.from_str(_trained_tokenizer_json())
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if arch == "llama":
-        bos = processors.TemplateProcessing(
-            single=f"{BOS}:0 $A:0",
-            pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
-            special_tokens=[(BOS, tok.token_to_id(BOS))],
-        )
-        tok.post_processor = processors.Sequence([byte_level, bos])
-        return tok
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.post_processor = byte_level
-    return tok
 
 
 def make_weights(
@@ -251,37 +188,6 @@ def _model_config(
     return config
 
 
-def _write_tokenizer_config(
-    out: Path, arch: str, max_len: int, ids: dict[str, int], template: str
-) -> None:
-    bos = BOS if arch == "llama" else None
-    chatml = (DATA_DIR / TEMPLATES[template]).read_text(encoding="utf-8").strip()
-    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "add_bos_token": arch == "llama",
-            "add_eos_token": False,
-            "added_tokens_decoder": {
-                str(ids[t]): {"content": t, **flags, "special": True} for t in SPECIAL_TOKENS
-            },
-            "bos_token": bos,
-            "chat_template": ("{{ bos_token }}" if bos else "") + chatml,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": IM_END,
-            "model_input_names": ["input_ids", "attention_mask"],
-            "model_max_length": max_len,
-            "pad_token": PAD,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            # Qwen2Tokenizer would otherwise add "<|endoftext|>" as its default unk token.
-            "unk_token": None,
-        },
-    )
-    named = {"bos_token": bos, "eos_token": IM_END, "pad_token": PAD}
-    special_map = {k: {"content": v, **flags} for k, v in named.items() if v is not None}
-    _write_json(out / "special_tokens_map.json", special_map)
-
-
 def _save_tensors(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
     if num_shards == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -298,11 +204,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) 
         weight_map.update(dict.fromkeys(chunk, file))
     total = sum(x.numel() * x.element_size() for x in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(out / "model.safetensors.index.json", index)
 
 
 def add_make_model_args(parser: argparse.ArgumentParser) -> None:

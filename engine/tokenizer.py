@@ -10,20 +10,15 @@ must never import torch.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.meta
-import jinja2.nodes
-import jinja2.parser
-import jinja2.sandbox
 import tokenizers
+
+from pdserve.engine.jinja_templates import compile_template, read_chat_templates
 
 Message = dict[str, Any]
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
@@ -75,7 +70,7 @@ class Tokenizer:
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
             pad_token=_token_content(config.get("pad_token")),
-            chat_templates=_chat_templates(path, config.get("chat_template")),
+            chat_templates=read_chat_templates(path, config.get("chat_template")),
             model_bos_token_id=model_bos[0] if model_bos else None,
             model_eos_token_ids=_ids(model_config.get("eos_token_id")),
             generation_eos_token_ids=_ids(generation.get("eos_token_id")),
@@ -153,7 +148,7 @@ class Tokenizer:
         variables["documents"] = None
         variables.update(extra)
         try:
-            return _compile(template).render(
+            return compile_template(template).render(
                 messages=list(messages),
                 tools=list(tools) if tools is not None else None,
                 add_generation_prompt=add_generation_prompt,
@@ -231,74 +226,3 @@ def _add_missing_tokens(backend: tokenizers.Tokenizer, decoder: dict[str, dict[s
             backend.add_special_tokens([token])
         else:
             backend.add_tokens([token])
-
-
-def _chat_templates(path: Path, value: str | list[dict[str, str]] | None) -> dict[str, str]:
-    """Named templates; ``chat_template.jinja`` files take priority over tokenizer_config.json."""
-    templates: dict[str, str] = {}
-    if (path / "chat_template.jinja").is_file():
-        templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    for file in sorted((path / "additional_chat_templates").glob("*.jinja")):
-        templates[file.stem] = file.read_text(encoding="utf-8")
-    if templates:
-        return templates
-    if isinstance(value, str):
-        return {"default": value}
-    return {t["name"]: t["template"] for t in value or []}
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker) renders its body."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-def template_variables(template: str) -> frozenset[str]:
-    """The variables a chat template reads from its caller (``messages``, ``tools``...);
-    ``ValueError`` when it does not parse."""
-    try:
-        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
-    except jinja2.TemplateError as e:
-        raise ValueError(f"chat template failed: {e}") from e
-
-
-@functools.cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    return _environment().from_string(template)

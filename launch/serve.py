@@ -15,18 +15,17 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.coordinator.main import add_routing_args, routing_flags
 from pdserve.kvtransfer import backends as transfer_backends
+from pdserve.launch.children import Child, restart, wait_for_file
 from pdserve.launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
 
 FORWARDED_ENGINE_FLAGS = (
@@ -152,38 +151,6 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
     return commands
 
 
-@dataclass
-class Child:
-    """One role process; restarted (same command line) if it dies while serving."""
-
-    role: str
-    cmd: list[str]
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-
-    def start(self) -> None:
-        # own session: a terminal's Ctrl-C reaches `serve` alone, which stops roles in order;
-        # PDEATHSIG: a role never outlives a `serve` that was killed outright
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=_die_with_parent)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float) -> None:
-        if not self.alive():
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            print(
-                f"pdserve serve: {self.role} did not stop in {timeout_s:.0f}s; killing it",
-                file=sys.stderr,
-            )
-            self.proc.kill()
-            self.proc.wait()
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.engine.model_store import resolve_model
 
@@ -221,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
     gateway: Child | None = None
     try:
         coordinator.start()
-        address = _wait_for_file(address_file, coordinator, 30.0)
+        address = wait_for_file(address_file, coordinator, 30.0)
         # a restart rebinds the same address
         coordinator.cmd = [
             *pdserve,
@@ -257,7 +224,7 @@ def run_serve(args: argparse.Namespace) -> int:
         while not stopping.wait(0.2):
             for child in children:
                 if not child.alive():
-                    _restart(child, args.max_restarts)
+                    restart(child, args.max_restarts)
             if not ready:
                 ready = _healthy(url)
                 if ready:
@@ -295,40 +262,6 @@ def _keys(run_dir: Path, names: list[str], insecure: bool) -> Callable[[str], li
 
 def _worker_id(cmd: list[str]) -> str:
     return next(a.split("=", 1)[1] for a in cmd if a.startswith("--worker-id="))
-
-
-def _restart(child: Child, max_restarts: int) -> None:
-    code = child.proc.returncode if child.proc else None
-    if child.restarts >= max_restarts:
-        raise RuntimeError(f"{child.role} exited ({code}) {child.restarts + 1} times; giving up")
-    child.restarts += 1
-    print(
-        f"pdserve serve: {child.role} exited ({code}); restarting it "
-        f"({child.restarts}/{max_restarts})",
-        file=sys.stderr,
-        flush=True,
-    )
-    child.start()
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _wait_for_file(path: Path, child: Child, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text().strip()
-        if not child.alive():
-            raise RuntimeError("the coordinator exited during start-up")
-        time.sleep(0.05)
-    raise RuntimeError(f"the coordinator did not start within {timeout:.0f}s")
 
 
 def _healthy(url: str) -> bool:

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from pdserve.engine import make_model as mm
-from pdserve.engine.make_model import default_model_dir, make_model, train_tokenizer
+from pdserve.engine.make_model import default_model_dir, make_model
+from pdserve.engine.make_tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,6 @@ tensors (``write_kv_slots``, ``decode_attention``), which is what a compiled dec
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,53 +28,17 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.attention.cpu_kernel import CpuDecodeKernel, KernelPlan, load_kernel
+from pdserve.engine.attention.torch_ops import (
+    DecodeGroup,
+    KVSlots,
+    Workspace,
+    buckets,
+    decode_attention,
+    gather_blocks,
+    write_kv_slots,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVSlots:
-    """Where each new token's K and V go: ``kv_cache[blocks, sel, offsets]`` (sel 0 = K)."""
-
-    blocks: torch.Tensor  # [T] block id
-    offsets: torch.Tensor  # [T] row within the block
-    k_sel: torch.Tensor  # [T] zeros
-    v_sel: torch.Tensor  # [T] ones
-
-    @classmethod
-    def from_slots(cls, slots: torch.Tensor, block_size: int) -> KVSlots:
-        blocks = slots // block_size
-        return cls(blocks, slots % block_size, torch.zeros_like(slots), torch.ones_like(slots))
-
-
-def write_kv_slots(
-    kv_cache: torch.Tensor, slots: KVSlots, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Two ``index_put_`` a layer (k, v: [T, KV, D], strided views welcome). torch.compile
-    keeps these in place; a write through a view of the cache became a copy of all of it."""
-    kv_cache.index_put_((slots.blocks, slots.k_sel, slots.offsets), k.to(kv_cache.dtype))
-    kv_cache.index_put_((slots.blocks, slots.v_sel, slots.offsets), v.to(kv_cache.dtype))
-
-
-def decode_attention(
-    q: torch.Tensor,  # [Bd, H, D], one query row per sequence
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D]
-    index: torch.Tensor,  # [2 * Bd * KV * L] cache rows of D values: K, then V
-    bias: torch.Tensor,  # [Bd * KV, 1, L]: 0 to attend, -inf past a sequence's end
-    scale: float,
-    out: torch.Tensor | None = None,  # [2 * Bd * KV * L, D]: where the gather goes
-) -> torch.Tensor:  # [Bd, H, D]
-    """One gather, two bmm. ``index`` names, for every sequence, KV head and position, the
-    cache row holding its K (then V), so one ``index_select`` writes them straight into
-    [2, Bd * KV, L, D]: a plain batch of matrices. (SDPA needed [Bd, KV, L, D] from a block
-    gather plus a transposing copy, and its masked kernel was slower than two bmm here.)"""
-    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
-    nb = q.shape[0]
-    kv = torch.index_select(kv_cache.view(-1, dim), 0, index, out=out)
-    kv = kv.view(2, nb * heads, -1, dim).to(q.dtype)  # [2, Bd * KV, L, D]
-    qg = q.reshape(nb * heads, -1, dim)  # [Bd * KV, G, D]: the query heads sharing a KV head
-    scores = torch.baddbmm(bias.to(q.dtype), qg, kv[0].transpose(1, 2), alpha=scale)
-    return torch.bmm(scores.softmax(dim=-1), kv[1]).view(nb, -1, dim)
 
 
 @dataclass
@@ -87,50 +50,6 @@ class _PrefillItem:
     mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plain causal applies
 
 
-@dataclass
-class _DecodeGroup:
-    rows: torch.Tensor  # [Bd] query row of each decode sequence
-    blocks: torch.Tensor  # [Bd, max_blocks]
-    bias: torch.Tensor  # [Bd, 1, max_blocks * block_size]: 0 to attend, -inf for padding
-    max_len: int
-    _plan: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def gather_plan(self, heads: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row index [2 * Bd * KV * max_len], bias [Bd * KV, 1, max_len]), made at the first
-        layer of a step and shared by the rest. Cache row of (block b, K/V s, slot t, head h):
-        ((b * 2 + s) * block_size + t) * KV + h, the cache seen as [rows, D]."""
-        if self._plan is None:
-            nb, max_blocks = self.blocks.shape
-            dev = self.blocks.device
-            s = torch.arange(2, device=dev).view(2, 1, 1, 1, 1)
-            b = self.blocks.view(1, nb, 1, max_blocks, 1)
-            h = torch.arange(heads, device=dev).view(1, 1, heads, 1, 1)
-            t = torch.arange(block_size, device=dev).view(1, 1, 1, 1, block_size)
-            index = ((b * 2 + s) * block_size + t) * heads + h  # [2, Bd, KV, max_blocks, bs]
-            bias = self.bias.repeat_interleave(heads, dim=0)
-            self._plan = (index.reshape(-1), bias)
-        return self._plan
-
-
-class _Workspace:
-    """Flat buffers reused across layers and steps, grown to the largest request up to
-    ``max_bytes`` (beyond it a request gets a one-off tensor)."""
-
-    def __init__(self, device: torch.device, max_bytes: int = 256 << 20) -> None:
-        self.device = device
-        self.max_bytes = max_bytes
-        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape)
-        if n * dtype.itemsize > self.max_bytes:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        buf = self._bufs.get((name, dtype))
-        if buf is None or buf.numel() < n:
-            buf = self._bufs[(name, dtype)] = torch.empty(n, dtype=dtype, device=self.device)
-        return buf[:n].view(shape)
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     strided_inputs = True
@@ -139,12 +58,12 @@ class TorchAttentionBackend(AttentionBackend):
         """``cpu_kernel``: on a CPU device, decode rows go to the C kernel where it builds and
         supports the dtype (float32, bf16); False keeps the torch path (the reference)."""
         self.device = device
-        self._work = _Workspace(device)
+        self._work = Workspace(device)
         self._slots: KVSlots | None = None
         self._block_size = 0
         self._prefills: list[_PrefillItem] = []
         self._decode_rows: tuple[list[int], list[list[int]], list[int]] = ([], [], [])
-        self._decode: list[_DecodeGroup] | None = None  # torch path, built on first use a step
+        self._decode: list[DecodeGroup] | None = None  # torch path, built on first use a step
         self._kernel = load_kernel() if cpu_kernel and device.type == "cpu" else None
         if self._kernel is not None:
             self.name = "torch+cpu-kernel"  # what the start-up log line says
@@ -187,7 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self._kernel is not None and decode_rows:
             self._kernel_plan = KernelPlan.build(decode_rows, decode_lens, decode_tables, bs)
 
-    def _groups(self) -> list[_DecodeGroup]:
+    def _groups(self) -> list[DecodeGroup]:
         """The torch path's decode groups, rows in step order within each (see ``_one_group``)."""
         if self._decode is None:
             rows, tables, lens = self._decode_rows
@@ -199,7 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
                     [lens[i] for i in group],
                     self._block_size,
                 )
-                for group in map(sorted, _buckets(order, [len(t) for t in tables]))
+                for group in map(sorted, buckets(order, [len(t) for t in tables]))
             ]
         return self._decode
 
@@ -209,12 +128,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_group(
         self, rows: list[int], tables: list[list[int]], lens: list[int], bs: int
-    ) -> _DecodeGroup:
+    ) -> DecodeGroup:
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         key_pos = torch.arange(max_blocks * bs, device=self.device)
         seq_lens = torch.tensor(lens, device=self.device)
-        return _DecodeGroup(
+        return DecodeGroup(
             rows=torch.tensor(rows, dtype=torch.long, device=self.device),
             blocks=torch.tensor(padded, dtype=torch.long, device=self.device),
             bias=torch.zeros(len(lens), 1, max_blocks * bs, device=self.device).masked_fill(
@@ -239,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode_attention(q, kv_cache, self._groups()[0], scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for item in self._prefills:
-            kc, vc = _gather(kv_cache, item.blocks, item.seq_len)  # [L, KV, D]
+            kc, vc = gather_blocks(kv_cache, item.blocks, item.seq_len)  # [L, KV, D]
             qs = q[item.start : item.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(
                 qs,
@@ -284,29 +203,8 @@ class TorchAttentionBackend(AttentionBackend):
         return self._slots, index, bias
 
     def _decode_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
     ) -> torch.Tensor:  # q: [Bd, H, D] -> [Bd, H, D]
         index, bias = group.gather_plan(kv_cache.shape[3], kv_cache.shape[2])
         kv = self._work.take("kv", (index.numel(), kv_cache.shape[4]), kv_cache.dtype)
         return decode_attention(q, kv_cache, index, bias, scale, out=kv)
-
-
-def _buckets(order: list[int], num_blocks: list[int]) -> list[list[int]]:
-    """Split rows (sorted by length) into groups padded to at most 2x their shortest row, so
-    one long context does not make every short one gather and attend over its length."""
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and num_blocks[i] <= 2 * num_blocks[groups[-1][0]]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _gather(
-    kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = kv_cache[blocks]  # [nb, 2, bs, KV, D]
-    k = kv[:, 0].reshape(-1, *kv.shape[3:])[:seq_len]
-    v = kv[:, 1].reshape(-1, *kv.shape[3:])[:seq_len]
-    return k, v

@@ -26,7 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from pdserve.engine.tokenizer import Tokenizer, template_variables
+from pdserve.engine.jinja_templates import template_variables
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.errors import OpenAIError, invalid_request
 from pdserve.gateway.tools.models import (
     MAX_SCHEMA_CHARS,
