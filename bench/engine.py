@@ -21,7 +21,7 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:

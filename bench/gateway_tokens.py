@@ -65,7 +65,12 @@ async def one_round(tok: Tokenizer, args: argparse.Namespace, ids: list[int]) ->
         await worker.send_multipart(encode(m.ClusterState([], [])))
         S, T = args.streams, args.tokens
         jobs = [
-            Job(args.kind, f"r{i}", "tiny", [GenerateRequest(f"r{i}", "tiny", [1, 2, 3], {}, 1)])
+            Job(
+                args.kind,
+                f"r{i}",
+                "tiny",
+                [GenerateRequest(f"r{i}", "tiny", [1, 2, 3], m.SamplingParams(), 1)],
+            )
             for i in range(S)
         ]
         gens = [Generation(backend, tok, j) for j in jobs]

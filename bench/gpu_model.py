@@ -24,7 +24,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model import CausalLM
 from pdserve.engine.rope import RotaryEmbedding
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 DEV = torch.device("cuda")
 LLAMA3_8B = {

@@ -64,8 +64,8 @@ def _greedy_row(url: str, model: Path) -> str:
     """One request at a time on each side, so both run the same batch shapes."""
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.protocol.sampling import SamplingParams
 
     name = _get(f"{url}/v1/models")["data"][0]["id"]
     tok = Tokenizer.from_dir(model)

@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 def in_process(model: str, prompts: list[list[int]], output_len: int, threads: int) -> float:
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling import SamplingParams
 
     config = EngineConfig(model=model, threads=threads, cache=CacheConfig(kv_cache_memory=1 << 30))
     engine = LLMEngine(config)

@@ -22,9 +22,9 @@ import pdserve.engine.sampler as sampler_module
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.messages import StructuredSpec
+from pdserve.protocol.sampling import SamplingParams
 
 ITEMS = 40  # array items: about 3 tokens each
 SCHEMA = {

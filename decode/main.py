@@ -35,7 +35,7 @@ def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
 
     transport = make_receiver(
         args.transfer_backend,
-        ctx.engine.runner.kv_cache.layers,
+        ctx.engine.kv_layers,
         args.transfer_bind,
         require_checksum=args.kv_checksum,
         **ctx.transport_options,

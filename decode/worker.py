@@ -27,11 +27,9 @@ from pdserve.protocol import messages as m
 from pdserve.worker.wire import (
     Outbox,
     TokenBatcher,
+    choice_params,
     engine_key,
-    engine_logprob,
     prompt_key,
-    sampling_params,
-    wire_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -45,7 +43,7 @@ class Choice:
     request_id: str
     choice: int
     prompt_token_ids: list[int]
-    sampling: m.SamplingSpec
+    sampling: m.SamplingParams
     stream_address: str
     choices: int = 1
     first_tokens: list[int] = field(default_factory=list)  # token 0 of each
@@ -120,17 +118,17 @@ class DecodeWorker:
             max(msg.choices, 1),
         )
         try:
-            self.engine.check_prompt(msg.prompt_token_ids, sampling_params(msg.sampling))
+            self.engine.check_prompt(msg.prompt_token_ids, msg.sampling)
             # leading blocks this worker's prefix cache holds are shared, not moved again
             ids, cached = self.engine.reserve_prompt(key, msg.prompt_token_ids, choice.choices)
         except (ValueError, NoFreeBlocks) as e:
             self.outbox.to_coordinator(self._reserved(msg, [], str(e)))
             return
-        choice.num_local_cached_tokens = cached * self.engine.block_manager.block_size
+        choice.num_local_cached_tokens = cached * self.engine.block_size
         secret = b""  # the sender must present it (kvtransfer.base.KVReceiver.expect)
         if self.receiver is not None:
             # the KV of the prompt fills the leading blocks; the last one is for token 0 on
-            prompt_blocks = self.engine.block_manager.blocks_needed(len(msg.prompt_token_ids))
+            prompt_blocks = self.engine.blocks_needed(len(msg.prompt_token_ids))
             secret = self.receiver.expect(key, ids[cached:prompt_blocks], self.transfer_timeout_s)
         self.reserved[key] = choice
         self.outbox.to_coordinator(self._reserved(msg, ids, None, secret, cached))
@@ -144,7 +142,7 @@ class DecodeWorker:
         cached_blocks: int = 0,
     ) -> m.Reserved:
         address = self.receiver.address if self.receiver is not None else ""
-        free = self.engine.block_manager.num_free_blocks  # the coordinator's estimate follows it
+        free = self.engine.num_free_blocks  # the coordinator's estimate follows it
         return m.Reserved(
             msg.request_id,
             self.worker_id,
@@ -194,7 +192,7 @@ class DecodeWorker:
             self._fail(choice, 503, "worker is draining")
             return
         keys = {c: engine_key(msg.request_id, c) for c in choice.going()}
-        params = [sampling_params(msg.sampling, c) for c in keys]
+        params = [choice_params(msg.sampling, c) for c in keys]
         try:
             if msg.generated_token_ids:  # a stream moving here from a dead worker
                 self.engine.add_continuation(
@@ -271,21 +269,24 @@ class DecodeWorker:
         at = [c - choice.choice for c in going]
         lps = choice.first_logprobs
         tokens = [choice.first_tokens[i] for i in at]
-        first_lps = [engine_logprob(lps[i]) if lps else None for i in at]
-        params = [sampling_params(choice.sampling, c) for c in going]
+        first_lps = [lps[i] if lps else None for i in at]
+        params = [choice_params(choice.sampling, c) for c in going]
         keys = [engine_key(choice.request_id, c) for c in going]
         prompt = choice.prompt_token_ids
+        cached = max(choice.num_cached_tokens, choice.num_local_cached_tokens)
         try:
             if going == [choice.choice] and choice.choices == 1:
-                self.engine.add_prefilled(key, prompt, tokens[0], params[0], first_lps[0])
+                self.engine.add_prefilled(
+                    key, prompt, tokens[0], params[0], first_lps[0], num_cached_tokens=cached
+                )
             else:
-                self.engine.add_prefilled_n(key, keys, prompt, tokens, params, first_lps)
+                self.engine.add_prefilled_n(
+                    key, keys, prompt, tokens, params, first_lps, num_cached_tokens=cached
+                )
         except ValueError as e:  # the reservation is freed
             self._fail(choice, 500, f"could not start decoding: {e}")
             return
-        cached = max(choice.num_cached_tokens, choice.num_local_cached_tokens)
         for c, k in zip(going, keys, strict=True):
-            self.engine.requests[k].num_cached_tokens = cached
             self.running[k] = choice.one(c)
 
     def _expire_reservations(self) -> None:
@@ -308,7 +309,7 @@ class DecodeWorker:
             for c in choice.going():
                 k = engine_key(choice.request_id, c)
                 try:
-                    params = sampling_params(choice.sampling, c)
+                    params = choice_params(choice.sampling, c)
                     token = choice.first_tokens[c - choice.choice]
                     self.engine.add_continuation(k, choice.prompt_token_ids, [token], params)
                 except ValueError as e:
@@ -337,7 +338,7 @@ class DecodeWorker:
                 choice=choice.choice,
                 index=out.num_output_tokens - len(out.new_token_ids),
                 token_ids=out.new_token_ids,
-                logprobs=wire_logprobs(out.new_logprobs),
+                logprobs=out.new_logprobs or None,
                 finished=out.finished,
                 finish_reason=out.finish_reason,
                 num_prompt_tokens=out.num_prompt_tokens,
@@ -361,11 +362,7 @@ class DecodeWorker:
 
     @property
     def queued_prompt_tokens(self) -> int:
-        return sum(s.num_uncomputed_tokens for s in self.engine.scheduler.waiting) + sum(
-            s.num_uncomputed_tokens
-            for s in self.engine.scheduler.running
-            if s.num_uncomputed_tokens > 1
-        )
+        return self.engine.queued_prompt_tokens
 
 
 def _matches(c: Choice, request_id: str, choice: int | None) -> bool:

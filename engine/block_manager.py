@@ -126,9 +126,6 @@ class BlockManager:
         seq.num_committed_blocks = num_full
 
     # ---- allocation -------------------------------------------------------------------
-    def can_allocate(self, seq: BlockOwner, num_new_tokens: int, hits: list[int] = ()) -> bool:
-        return self._blocks_to_take(seq, num_new_tokens, hits) <= len(self.free)
-
     def allocate(self, seq: BlockOwner, num_new_tokens: int, hits: list[int] = ()) -> bool:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones.
 

@@ -20,11 +20,13 @@ from pdserve.engine.grammar import GrammarCache
 from pdserve.engine.kv_handoff import KVHandoffMixin
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.status import EngineStatusMixin
 from pdserve.engine.step_budget import calibrate_step_budget
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
-class LLMEngine(KVHandoffMixin, ForkMixin):
+class LLMEngine(KVHandoffMixin, ForkMixin, EngineStatusMixin):
     def __init__(self, config: EngineConfig) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -108,7 +110,7 @@ class LLMEngine(KVHandoffMixin, ForkMixin):
         if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals))
+        seq = Sequence(request_id, list(prompt_token_ids), params)
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         if params.structured is not None:

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.block_manager import NoFreeBlocks
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -63,7 +64,7 @@ class ForkMixin:
             self._new_sequence(rid, prompt_token_ids, p)
             for rid, p in zip(request_ids, params, strict=True)
         ]
-        prompt = Sequence(prompt_id, list(prompt_token_ids), params[0], next(self._arrivals))
+        prompt = Sequence(prompt_id, list(prompt_token_ids), params[0])
         prompt.hold_kv = hold_kv
         prompt.choices = choices
         for seq in choices:
@@ -160,6 +161,7 @@ class ForkMixin:
         first_tokens: list[int],
         params: list[SamplingParams],
         first_logprobs: list[TokenLogprob | None] | None = None,
+        num_cached_tokens: int = 0,
     ) -> None:
         """Start decoding ``len(request_ids)`` choices of a prompt whose KV now sits in the
         first ``blocks_needed(len(prompt))`` blocks of ``reservation_id``'s reservation.
@@ -168,6 +170,7 @@ class ForkMixin:
         worker) with ``params[i]``; outputs start at token 1. The reservation needs
         ``fork_blocks_needed(len(prompt), n)`` blocks (``reserve(..., choices=n)``); blocks
         past that (choices aborted meanwhile) are freed. ``ValueError`` frees all of them.
+        ``num_cached_tokens`` as for ``add_prefilled``, the same for every choice.
         """
         if reservation_id not in self.reserved:
             raise ValueError(f"request {reservation_id!r} has no reserved blocks")
@@ -198,6 +201,7 @@ class ForkMixin:
             else:
                 _fork_blocks(self, ids, num_tokens, seq, ids[own + i - 1], copies)
             seq.num_computed_tokens = num_tokens
+            seq.num_cached_tokens = num_cached_tokens
         self.runner.kv_cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
         for seq, lp in zip(seqs, logprobs, strict=True):
             if lp is not None:

@@ -24,8 +24,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.protocol.sampling import SamplingParams
 
     try:
         config = engine_config_from_args(args)

@@ -61,10 +61,6 @@ class GGUFTensor:
     offset: int  # absolute, in the file
     nbytes: int
 
-    @property
-    def type_name(self) -> str:
-        return TENSOR_TYPES[self.type][0]
-
 
 class GGUFFile:
     """The metadata and tensor table of one GGUF file; tensor data is memory-mapped."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.engine.grammar import advance
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -86,10 +87,13 @@ class KVHandoffMixin:
         first_token: int,
         params: SamplingParams,
         first_logprob: TokenLogprob | None = None,
+        num_cached_tokens: int = 0,
     ) -> None:
         """Start decoding a request whose prompt KV now sits in its reserved blocks.
 
         Token 0 was sampled (and reported) by the prefill worker; outputs start at token 1.
+        ``num_cached_tokens``: prompt tokens a prefix cache served (the prefill worker's, or
+        this engine's through ``reserve_prompt``), what the outputs report.
         """
         if request_id not in self.reserved:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
@@ -100,6 +104,7 @@ class KVHandoffMixin:
             raise
         seq.block_table = self.reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = num_cached_tokens
         if first_logprob is not None:
             seq.output_logprobs.append(first_logprob)
         self._admit_continued(seq)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.messages import TokenLogprob
 
 
 @dataclass

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -30,19 +31,10 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely
-    top: list[tuple[int, float]]  # the top-k alternatives, most likely first
-
-
-@dataclass
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt, then generated tokens appended in place
     params: SamplingParams
-    arrival_index: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort

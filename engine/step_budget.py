@@ -28,8 +28,8 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

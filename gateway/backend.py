@@ -24,9 +24,9 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class GenerateRequest:
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # keyword arguments of engine.sampling_params.SamplingParams
+    sampling: SamplingParams
     n: int = 1
 
 

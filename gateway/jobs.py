@@ -17,7 +17,7 @@ from pdserve.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
-    sampling_kwargs,
+    sampling_params,
 )
 from pdserve.gateway.prompt_guard import check_prompt_size
 from pdserve.gateway.tools.request import (
@@ -127,8 +127,8 @@ def _request(
     ids: list[int],
     max_tokens: int,
 ) -> GenerateRequest:
-    sampling = sampling_kwargs(req, max_tokens)
-    _check_ids(sampling.get("stop_token_ids", []), tokenizer, "stop_token_ids")
+    sampling = sampling_params(req, max_tokens)
+    _check_ids(sampling.stop_token_ids, tokenizer, "stop_token_ids")
     return GenerateRequest(request_id, req.model, ids, sampling, req.n)
 
 

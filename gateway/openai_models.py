@@ -1,5 +1,5 @@
 """Request bodies of ``/v1/chat/completions`` and ``/v1/completions`` (OpenAI plus vLLM extras),
-and their conversion to ``SamplingParams`` keyword arguments.
+and their conversion to ``SamplingParams``.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Known fields that would
 change the output in a way this server cannot honour (logit_bias, echo...) are refused
@@ -13,22 +13,21 @@ checks them. ``max_tokens`` is bounded by the model's context in ``jobs``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.gateway.errors import OpenAIError, invalid_request
 from pdserve.gateway.request_audit import VllmChatFields, VllmFields, refuse_unhonoured
 from pdserve.gateway.structured import structured_spec
 from pdserve.gateway.structured_models import StructuredFields
 from pdserve.gateway.tools.models import ToolCalls, ToolFields
 from pdserve.gateway.tools.request import check_tools, template_tool_calls
+from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts of one /v1/completions request: each is a backend request
-MAX_LOGPROBS = 20
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -230,35 +229,38 @@ def check_supported(req: AnyRequest) -> None:
             raise invalid_request("suffix is not supported", "suffix")
 
 
-def sampling_kwargs(req: AnyRequest, max_tokens: int) -> dict[str, Any]:
-    """``SamplingParams`` keyword arguments for ``req``, validated by ``SamplingParams`` itself.
-
-    Unset fields are left out, so the worker's defaults apply."""
-    values: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "repetition_penalty": req.repetition_penalty,
-        "seed": req.seed,
-        "stop_token_ids": req.stop_token_ids,
-        "min_tokens": req.min_tokens,
-        "logprobs": req.requested_logprobs(),
-    }
-    kwargs = {k: v for k, v in values.items() if v is not None}
-    structured = structured_spec(req)
-    if structured is not None:
-        kwargs["structured"] = structured
-    if req.ignore_eos:
-        kwargs["ignore_eos"] = True
+def sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
+    """The ``SamplingParams`` of ``req``: a field the request leaves unset keeps the type's
+    default (the one a worker would use); a value out of range is a 400 naming its field."""
+    d = _DEFAULTS
+    structured = structured_spec(req)  # its own errors name their field
     try:
-        SamplingParams(**kwargs)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_given(req.temperature, d.temperature),
+            top_p=_given(req.top_p, d.top_p),
+            top_k=_given(req.top_k, d.top_k),
+            min_p=_given(req.min_p, d.min_p),
+            presence_penalty=_given(req.presence_penalty, d.presence_penalty),
+            frequency_penalty=_given(req.frequency_penalty, d.frequency_penalty),
+            repetition_penalty=_given(req.repetition_penalty, d.repetition_penalty),
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_tokens=_given(req.min_tokens, d.min_tokens),
+            logprobs=req.requested_logprobs(),
+            structured=structured,
+        )
     except ValueError as e:
         raise _sampling_error(str(e), req) from e
-    return kwargs
+
+
+_DEFAULTS = SamplingParams()
+T = TypeVar("T")
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value
 
 
 def _sampling_error(message: str, req: AnyRequest) -> OpenAIError:

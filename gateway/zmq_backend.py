@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from pdserve.gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
-from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.gateway.request_stream import Pending, choice_events, until_accepted
 from pdserve.protocol import messages as m
 from pdserve.protocol import security
 from pdserve.protocol.codec import ProtocolError, decode, encode
@@ -48,34 +46,6 @@ from pdserve.protocol.sockets import bound_address, make_socket
 log = logging.getLogger(__name__)
 
 RESTART_QUIET_S = 1.0  # a stream quiet this long when the coordinator restarts waits on it
-
-FINISH_REASONS = ("stop", "length")
-_Item = m.TokenChunk | m.RequestError | m.Accepted | BackendError  # on a request's queue
-
-
-@dataclass
-class _Pending:
-    queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
-    early: list[_Item] = field(default_factory=list)  # what came before acceptance did
-    answered: bool = False  # something (a chunk or an error) is on its way to the consumer
-    last_at: float = 0.0  # when the last message for it arrived (or it was sent)
-
-
-def sampling_spec(kwargs: dict) -> m.SamplingSpec:
-    """``GenerateRequest.sampling`` (SamplingParams keyword arguments) on the wire."""
-    try:
-        return m.SamplingSpec(**kwargs)
-    except TypeError as e:
-        raise BackendError(f"sampling parameters the protocol cannot carry: {e}", 500) from e
-
-
-def check_finish(chunk: m.TokenChunk) -> None:
-    """A chunk that ends its choice without a reason the app knows (an abort the gateway never
-    asked for) fails the request, wherever it falls in the choice's order."""
-    if chunk.finished and chunk.finish_reason not in FINISH_REASONS:
-        reason = chunk.finish_reason
-        what = "was aborted by the cluster" if reason == "abort" else f"ended with {reason!r}"
-        raise BackendError(f"request {chunk.request_id} choice {chunk.choice} {what}", 503)
 
 
 class ZmqBackend(Backend):
@@ -103,7 +73,7 @@ class ZmqBackend(Backend):
         self._coordinator: zmq.asyncio.Socket | None = None
         self._stream: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._state: m.ClusterState | None = None
         self._state_at: float | None = None
 
@@ -159,7 +129,7 @@ class ZmqBackend(Backend):
             request_id=rid,
             model=request.model,
             prompt_token_ids=list(request.prompt_token_ids),
-            sampling=sampling_spec(request.sampling),
+            sampling=request.sampling,
             n=request.n,
             stream_address=self.stream_address,
         )
@@ -168,12 +138,12 @@ class ZmqBackend(Backend):
         except ProtocolError as e:
             raise BackendError(f"request {rid} cannot be sent: {e}", 500) from e
         # before sending: no chunk may beat it
-        pending = self._pending[rid] = _Pending(last_at=self._clock())
+        pending = self._pending[rid] = Pending(last_at=self._clock())
         if not await self._send(frames):
             del self._pending[rid]
             raise BackendError(f"the coordinator at {self.coordinator_address} is unreachable", 503)
         try:
-            await _until_accepted(generate, pending)
+            await until_accepted(generate, pending)
         except BaseException:
             if self._pending.get(rid) is pending:
                 del self._pending[rid]
@@ -222,54 +192,13 @@ class ZmqBackend(Backend):
 
     # ---- internals ---------------------------------------------------------------------------
 
-    async def _events(self, request: m.Generate, pending: _Pending) -> AsyncIterator[m.TokenChunk]:
-        """Each choice's chunks in token order. A choice whose worker died mid-stream (a
-        retryable error) resumes on another worker after the tokens already passed on, up to
-        ``max_migrations`` times; the stream goes on with no gap or repeat in its indices."""
-        rid, n = request.request_id, request.n
-        streams = [ChoiceOrder() for _ in range(n)]
-        migrations = [0] * n
+    async def _events(self, request: m.Generate, pending: Pending) -> AsyncIterator[m.TokenChunk]:
         try:
-            while not all(st.done for st in streams):
-                item = pending.early.pop(0) if pending.early else await pending.queue.get()
-                if isinstance(item, m.Accepted):
-                    continue  # a choice placed again after its worker was lost
-                if isinstance(item, BackendError):
-                    raise item
-                if isinstance(item, m.RequestError):
-                    c = item.choice
-                    if not (
-                        item.retryable
-                        and c is not None
-                        and 0 <= c < n
-                        and migrations[c] < self.max_migrations
-                    ):
-                        raise BackendError(item.message, item.status)
-                    migrations[c] += 1
-                    log.warning(
-                        "request %s choice %d: %s; resuming after %d tokens (%d/%d)",
-                        rid,
-                        c,
-                        item.message,
-                        len(streams[c].token_ids),
-                        migrations[c],
-                        self.max_migrations,
-                    )
-                    streams[c].restart()  # the new worker sends what is held again
-                    resume = dataclasses.replace(
-                        request, resume_choice=c, resume_token_ids=list(streams[c].token_ids)
-                    )
-                    if not await self._send(encode(resume)):
-                        raise BackendError(item.message, item.status)
-                    continue
-                check_finish(item)
-                if not 0 <= item.choice < n:
-                    raise BackendError(f"request {rid}: choice {item.choice} but n={n}", 500)
-                for ready in streams[item.choice].push(item):
-                    yield ready
+            async for chunk in choice_events(request, pending, self._send, self.max_migrations):
+                yield chunk
         finally:
-            if self._pending.get(rid) is pending:
-                del self._pending[rid]
+            if self._pending.get(request.request_id) is pending:
+                del self._pending[request.request_id]
 
     async def _send(self, frames: list[bytes]) -> bool:
         """False when no connection to the coordinator is up (or the backend is closed)."""
@@ -361,23 +290,6 @@ class ZmqBackend(Backend):
     def _fresh(self) -> bool:
         at = self._state_at
         return at is not None and self._clock() - at <= self.state_timeout_s
-
-
-async def _until_accepted(request: m.Generate, pending: _Pending) -> None:
-    """Wait for every choice's ``Accepted``; raise a refusal as ``BackendError``. A token or a
-    worker failure arriving first means the request was taken: it is kept for the stream."""
-    accepted: set[int] = set()
-    while len(accepted) < request.n:
-        item = await pending.queue.get()
-        if isinstance(item, m.Accepted):
-            accepted.add(item.choice)
-        elif isinstance(item, BackendError):
-            raise item
-        elif isinstance(item, m.RequestError) and not item.retryable:
-            raise BackendError(item.message, item.status)
-        else:
-            pending.early.append(item)
-            return
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

@@ -50,10 +50,6 @@ def ucx_unavailable_reason() -> str | None:
     return None
 
 
-def ucx_available() -> bool:
-    return ucx_unavailable_reason() is None
-
-
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.removeprefix("ucx://").rpartition(":")
     if not address.startswith("ucx://") or not sep or not port.isdigit():

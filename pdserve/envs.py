@@ -14,12 +14,6 @@ def pdserve_home() -> Path:
     return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 
 
-def default_threads() -> int | None:
-    """``PDSERVE_THREADS``: torch intra-op threads for a worker (unset: torch's default)."""
-    value = os.environ.get("PDSERVE_THREADS")
-    return int(value) if value else None
-
-
 def coordinator_address() -> str | None:
     """``PDSERVE_COORDINATOR``: the coordinator's inbox address, for workers and gateways."""
     return os.environ.get("PDSERVE_COORDINATOR") or None

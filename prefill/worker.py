@@ -33,10 +33,9 @@ from pdserve.worker.wire import (
     TokenBatcher,
     TransferStats,
     block_bytes,
+    choice_params,
     engine_key,
     prompt_key,
-    sampling_params,
-    wire_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class PrefillWorker:
         try:
             firsts = []
             for c in members:
-                params = sampling_params(job.sampling, c)
+                params = choice_params(job.sampling, c)
                 # token 0 only; min_tokens still keeps eos away from it when asked to
                 firsts.append(
                     dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -168,11 +167,11 @@ class PrefillWorker:
             self.engine.release(held)
             return
         src = self.engine.held_block_ids(held)
-        lps = [wire_logprobs(o.new_logprobs) for o in outs]
+        lps = [o.new_logprobs for o in outs]
         done = m.TransferDone(
             job.request_id,
             [o.new_token_ids[0] for o in outs],
-            [lp[0] for lp in lps] if all(lps) else None,  # type: ignore[index]
+            [lp[0] for lp in lps] if all(lps) else None,
             outs[0].num_cached_tokens,
             job.choice,
             ended=ended,
@@ -191,7 +190,7 @@ class PrefillWorker:
         self._started[key] = time.monotonic()
         self.sending[key] = (job, done)  # first: the sender may finish before send returns
         try:
-            self.sender.send(spec, self.engine.runner.kv_cache.layers)
+            self.sender.send(spec, self.engine.kv_layers)
         except Exception as e:  # any transport failure fails this transfer only
             with self._report_lock:
                 del self.sending[key]
@@ -246,8 +245,7 @@ class PrefillWorker:
 
     @property
     def queued_prompt_tokens(self) -> int:
-        sched = self.engine.scheduler
-        return sum(s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running])
+        return self.engine.queued_prompt_tokens
 
 
 def _job(value: m.PrefillJob | tuple[m.PrefillJob, m.TransferDone]) -> m.PrefillJob:
@@ -268,7 +266,7 @@ def _first_chunk(job: m.PrefillJob, choice: int, out: RequestOutput, ends: bool)
         choice=choice,
         index=0,
         token_ids=out.new_token_ids[:1],
-        logprobs=wire_logprobs(out.new_logprobs),
+        logprobs=out.new_logprobs or None,
         finished=ends,
         finish_reason=out.finish_reason if ends else None,
         num_prompt_tokens=out.num_prompt_tokens,

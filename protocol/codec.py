@@ -8,7 +8,8 @@ Wire format of one message::
 
 Nested dataclasses travel as plain maps of their fields. ``decode`` checks every field
 against the dataclass's type hints and raises ``ProtocolError`` for anything else (unknown
-tag, other version, missing/unexpected field, wrong type, bad frame reference, garbage bytes).
+tag, other version, missing/unexpected field, wrong type, bad frame reference, garbage bytes,
+a value the dataclass's own ``__post_init__`` refuses with ``ValueError``).
 Nothing is ever unpickled.
 """
 
@@ -23,7 +24,7 @@ from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 OOB_EXT = 1  # msgpack ext code of an out-of-band frame reference
 OOB_MIN_BYTES = 4096  # bytes values at least this large go out of band
 _RESERVED = ("type", "v")
@@ -180,7 +181,10 @@ def _check_fields(cls: type, data: dict, path: str, refs: _Frames) -> Any:
     if unexpected:
         raise ProtocolError(f"{path}: unexpected field {', '.join(unexpected)}")
     kwargs = {name: check(data[name], f"{path}.{name}", refs) for name, check in fields.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a type that validates itself (``SamplingParams``): out of range
+        raise ProtocolError(f"{path}: {e}") from None
 
 
 @functools.cache

@@ -15,8 +15,9 @@ Who sends what::
 
 To add a message: a frozen dataclass with ``@message("<tag>")`` above ``@dataclass``; fields
 may be int, float, str, bool, bytes, ``X | None``, ``Literal[...]``, list/tuple/dict of
-those, or a nested (unregistered) frozen dataclass. Bump ``PROTOCOL_VERSION`` when an
-existing message changes.
+those, or a nested (unregistered) frozen dataclass; one that checks its values in
+``__post_init__`` (``SamplingParams``) raises ``ValueError``, which decode reports as a
+``ProtocolError``. Bump ``PROTOCOL_VERSION`` when an existing message changes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message
+from pdserve.protocol.sampling import SamplingParams, StructuredSpec
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -46,7 +48,7 @@ __all__ = [
     "RequestError",
     "Reserve",
     "Reserved",
-    "SamplingSpec",
+    "SamplingParams",
     "ServedModel",
     "StructuredSpec",
     "TokenBatch",
@@ -77,44 +79,9 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class StructuredSpec:
-    """A constraint on the output (``engine.structured`` compiles it; one matcher per choice).
-
-    ``kind`` "json": ``spec`` is a JSON Schema (``{"type": "object"}`` for OpenAI's
-    json_object); "regex": a regular expression the whole output matches; "choice": a JSON list
-    of strings, the output is one of them; "grammar": a Lark grammar or a GBNF/EBNF one.
-    """
-
-    kind: Literal["json", "regex", "choice", "grammar"]
-    spec: str
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """``engine.sampling_params.SamplingParams`` on the wire: same fields, same defaults.
-
-    ``SamplingParams(**dataclasses.asdict(spec))`` rebuilds (and validates) it.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
-    structured: StructuredSpec | None = None
-
-
-@dataclass(frozen=True)
 class TokenLogprob:
-    """``engine.sequence.TokenLogprob`` on the wire."""
+    """One sampled token's logprob: the engine's sampler makes it, the wire and the gateway
+    pass it on as it is."""
 
     token_id: int
     logprob: float
@@ -242,7 +209,7 @@ class Generate(Message):
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     n: int
     stream_address: str  # the gateway's token-stream address
     # migration: continue one choice whose worker died, after the tokens it already streamed
@@ -257,7 +224,7 @@ class Reserve(Message):
 
     request_id: str
     prompt_token_ids: list[int]  # blocks are reserved for len(prompt_token_ids) tokens
-    sampling: SamplingSpec
+    sampling: SamplingParams
     n: int
     stream_address: str
     choice: int = 0  # the first choice this reservation is for
@@ -290,9 +257,8 @@ class Reserved(Message):
 class PrefillJob(Message):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     n: int
-    decode_worker_id: str
     dst_block_ids: list[int]  # on the decode worker, in token order
     transfer_address: str  # the decode worker's KV receiver
     stream_address: str  # token 0 goes straight to the gateway

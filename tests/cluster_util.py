@@ -111,7 +111,7 @@ class Cluster:
         self,
         request_id: str,
         prompt: list[int],
-        spec: m.SamplingSpec,
+        spec: m.SamplingParams,
         n: int = 1,
         gateway: str = "gw",
     ) -> None:

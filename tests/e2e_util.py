@@ -66,6 +66,11 @@ class ServedCluster:
             out[worker] = float(value)
         return out
 
+    def gateway_in_flight(self) -> float:
+        """Generation requests the gateway holds now (an abandoned one until it lets go)."""
+        found = re.search(r"^pdserve_gateway_requests_in_flight (\S+)$", self.metrics(), re.M)
+        return float(found.group(1))
+
     def wait_blocks_free(self, timeout: float = 5.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
         used = self.kv_blocks_used()

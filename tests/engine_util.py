@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 16, 25, 33, 60]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import make_engine, prompts, run_all
 
 N = 3

@@ -62,8 +62,8 @@ class Script:
 
 def plan(request: GenerateRequest, script: Script) -> list[m.TokenChunk]:
     """The chunks prefill + decode workers would send, in the order they arrive."""
-    max_tokens = request.sampling["max_tokens"]
-    k = request.sampling.get("logprobs")
+    max_tokens = request.sampling.max_tokens
+    k = request.sampling.logprobs
     prefill, decode = [], []
     for c in range(request.n):
         ids = script.choices[c % len(script.choices)]
@@ -168,7 +168,8 @@ class FakeBackend(Backend):
         return self.stats
 
 
-# What FakeCluster sends for one Generate: (role, message), or ("sleep", seconds) to delay the rest.
+# What FakeCluster sends for one Generate: (role, message), ("sleep", seconds) to delay the rest,
+# or ("wait", threading.Event) to hold the rest until the test sets the event.
 ClusterScript = Callable[[m.Generate], list[tuple[str, Any]]]
 
 
@@ -189,6 +190,7 @@ class FakeCluster:
         self.address = bound_address(self._inbox)
         self._senders: dict[tuple[str, str], zmq.Socket] = {}  # (role, address) -> PUSH
         self._due: list[tuple[float, int, str, str, m.Message]] = []  # heap: (when, seq, ...)
+        self._held: list[tuple[threading.Event, str, list[tuple[str, Any]]]] = []  # on "wait"
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -201,6 +203,9 @@ class FakeCluster:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            for held in [h for h in self._held if h[0].is_set()]:
+                self._held.remove(held)
+                self._schedule(held[1], held[2])
             while self._due and self._due[0][0] <= time.monotonic():
                 _, _, role, address, item = heapq.heappop(self._due)
                 self._send(role, address, item)
@@ -211,15 +216,20 @@ class FakeCluster:
                     self._send("coordinator", msg.stream_address, self.state)
             elif isinstance(msg, m.Generate):
                 self.generates.append(msg)
-                at = time.monotonic()
-                for role, item in self.respond(msg):
-                    if role == "sleep":
-                        at += item
-                    else:
-                        entry = (at, next(self._seq), role, msg.stream_address, item)
-                        heapq.heappush(self._due, entry)
+                self._schedule(msg.stream_address, self.respond(msg))
             elif isinstance(msg, m.Abort):
                 self.aborts.append(msg)
+
+    def _schedule(self, address: str, script: list[tuple[str, Any]]) -> None:
+        at = time.monotonic()
+        for i, (role, item) in enumerate(script):
+            if role == "sleep":
+                at += item
+            elif role == "wait":
+                self._held.append((item, address, script[i + 1 :]))
+                return
+            else:
+                heapq.heappush(self._due, (at, next(self._seq), role, address, item))
 
     def _send(self, role: str, address: str, msg: m.Message | m.TokenChunk) -> None:
         if isinstance(msg, m.TokenChunk):  # workers send a step's chunks as one batch

@@ -10,7 +10,7 @@ from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
-GREEDY = m.SamplingSpec(max_tokens=10, temperature=0.0, ignore_eos=True)
+GREEDY = m.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_ucx_transfer(cluster_factory, tiny_dir) -> None:
 
 def test_n_choices_and_seeds(cluster_factory) -> None:
     cluster = cluster_factory()
-    spec = m.SamplingSpec(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    spec = m.SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
     prompt = prompts(512, [9], seed=4)[0]
     cluster.submit("r", prompt, spec, n=3)
     cluster.pump()
@@ -67,7 +67,7 @@ def test_n_choices_and_seeds(cluster_factory) -> None:
     assert len({tuple(t) for t in got.values()}) > 1  # seeds differ per choice
     # choice c equals a colocated run with seed 5 + c
     colocated = make_engine(cluster.workers["p0"].engine.config.model)
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling import SamplingParams
 
     for c in range(3):
         ref = colocated.generate(
@@ -79,7 +79,7 @@ def test_n_choices_and_seeds(cluster_factory) -> None:
 
 def test_first_token_finishing_releases_the_reservation(cluster_factory) -> None:
     cluster = cluster_factory()
-    cluster.submit("r", [1, 2, 3], m.SamplingSpec(max_tokens=1, temperature=0.0))
+    cluster.submit("r", [1, 2, 3], m.SamplingParams(max_tokens=1, temperature=0.0))
     cluster.pump()
     assert len(cluster.tokens("r")[0]) == 1
     assert set(cluster.used_blocks().values()) == {0}
@@ -110,7 +110,7 @@ def test_transfer_done_does_not_wait_for_the_next_prefill_step(cluster_factory, 
 
 def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
     cluster = cluster_factory()
-    long_spec = m.SamplingSpec(max_tokens=200, temperature=0.0, ignore_eos=True)
+    long_spec = m.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     cluster.submit("r", prompts(512, [40], seed=5)[0], long_spec)
     decode = cluster.workers["d0"]
     while not decode.running:  # prefill done, KV moved, decode under way

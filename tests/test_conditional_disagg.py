@@ -14,7 +14,7 @@ from tests.cluster_util import Cluster
 from tests.e2e_util import ServedCluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
-SPEC = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+SPEC = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def make(tiny_dir, **options) -> Cluster:

@@ -7,7 +7,7 @@ import pytest
 from pdserve.coordinator.routes import Route, RouteTable
 from pdserve.protocol import messages as m
 
-SPEC = m.SamplingSpec(max_tokens=4)
+SPEC = m.SamplingParams(max_tokens=4)
 
 
 def _route(request_id: str, choice: int, n: int = 3) -> Route:

@@ -11,7 +11,7 @@ from pdserve.coordinator.coordinator import Coordinator
 from pdserve.protocol import messages as m
 
 LAYOUT = m.KVLayout(16, "float32", 2, 2, 8)
-SPEC = m.SamplingSpec(max_tokens=4)
+SPEC = m.SamplingParams(max_tokens=4)
 
 
 class Outbox:
@@ -66,7 +66,8 @@ def test_a_black_holed_decode_worker_is_passed_over() -> None:
     out.workers.clear()
     c.handle(reserved("d1", "r"), 6.0)
     [(p, job)] = out.take(m.PrefillJob)
-    assert (p, job.decode_worker_id) == ("p0", "d1")
+    # the job pushes into d1's blocks: d1 decodes
+    assert (p, job.transfer_address, c.routes[("r", 0)].decode) == ("p0", "t-d1", "d1")
     assert [type(x) for x in out.gateway] == [m.Accepted]
     # d0 still heartbeats with the most free blocks, but gets nothing new for a while
     generate(c, "next", now=7.0)
@@ -155,7 +156,7 @@ def test_a_request_that_can_never_fit_is_a_400(prompt_len, max_tokens, what) -> 
     reg = m.Register("decode", "d0", "tiny", "d0", "t", "zmq", LAYOUT, 4, "", 256)
     c.handle(reg, 0.0)
     c.handle(m.Register("prefill", "p0", "tiny", "p0", "", "zmq", LAYOUT, 64, "", 256), 0.0)
-    spec = m.SamplingSpec(max_tokens=max_tokens)
+    spec = m.SamplingParams(max_tokens=max_tokens)
     c.handle(m.Generate("r", "tiny", list(range(prompt_len)), spec, 1, "gw"), 0.0)
     [error] = out.gateway
     assert error.status == 400 and what in error.message, error.message

@@ -42,7 +42,6 @@ def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs, tmp_path) ->
         **os.environ,
         "PDSERVE_COORDINATOR_BIND": coordinator,
         "PDSERVE_COORDINATOR": coordinator,
-        "PDSERVE_THREADS": "1",
         "PDSERVE_KEYS": str(tmp_path / "keys" / "a"),
     }
     common = ["--num-kv-blocks=128", "--threads=1"]

@@ -71,7 +71,6 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
         }
         events: list[str] = []
         t, busy = stream_on_a_decode_worker(c, body, events)
-        killed_at = time.monotonic()
         [pid] = pids_of(busy[0], c.proc.pid)
         os.kill(pid, signal.SIGKILL)
         t.join(30)
@@ -83,9 +82,10 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
             assert last["choices"][0]["finish_reason"] == "length", last
             assert not any("error" in json.loads(e) for e in events[:-1])
         else:
-            # the stream ended with an error event, then [DONE]
-            assert "error" in json.loads(events[-2])
-            assert time.monotonic() - killed_at < 15
+            # the stream ended with an error event, then [DONE]: the death of its worker's, as
+            # the coordinator saw it (not a timeout, nor the end of the stream)
+            error = json.loads(events[-2])["error"]
+            assert f"worker {busy[0]} stopped responding" in error["message"], error
         # new requests keep succeeding on the rest of the cluster
         r = httpx.post(
             f"{c.url}/v1/completions",
@@ -177,15 +177,19 @@ def test_200_clients_giving_up_then_a_request_completes(tiny_dir) -> None:
                 await asyncio.gather(*(impatient(client) for _ in range(200)))
 
         asyncio.run(crowd())
-        start = time.monotonic()
+        # the gateway lets go of every abandoned stream (and aborts it on the cluster)...
+        deadline = time.monotonic() + 30
+        while c.gateway_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.gateway_in_flight() == 0, c.output()[-6000:]
+        # ...and serves as usual meanwhile
         last = {"model": c.model_name, "prompt": "and now?", "max_tokens": 8, "ignore_eos": True}
         try:
             r = httpx.post(f"{c.url}/v1/completions", timeout=30, json=last)
         except httpx.TimeoutException as e:
             raise AssertionError(f"no answer in 30 s:\n{c.output()[-6000:]}") from e
-        took = time.monotonic() - start
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
-        assert took < 5.0, c.output()[-6000:]
+        # the workers let go of the crowd too: no block held
         assert set(c.wait_blocks_free(timeout=10).values()) == {0.0}, c.output()[-6000:]
     finally:
         c.stop()

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.engine.config import ConfigError
 from pdserve.engine.loader import ModelLoadError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import greedy, hf_greedy, make_engine, prompts, run_all
 
 

@@ -18,6 +18,7 @@ import pytest
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.backend import ModelInfo, WorkerStats
+from pdserve.protocol.sampling import SamplingParams
 from tests.gateway_util import FakeBackend, Script, parse_prometheus, running_server, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +106,7 @@ def test_chat_streamed_equals_non_streamed(
         1,
     )
     max_len = next(m.max_model_len for m in MODELS if m.id == model)
-    assert request.sampling == {"max_tokens": max_len - len(prompt)}
+    assert request.sampling == SamplingParams(max_tokens=max_len - len(prompt))
 
     chunks = list(
         client.chat.completions.create(
@@ -152,7 +153,7 @@ def test_completions_streamed_equals_non_streamed(
     backend.reset(script_for(tok, "abc"))
     by_ids = client.completions.create(model="tiny-llama", prompt=[5, 6, 7])
     assert backend.submitted[0].prompt_token_ids == [5, 6, 7]
-    assert backend.submitted[0].sampling == {"max_tokens": 16}
+    assert backend.submitted[0].sampling == SamplingParams(max_tokens=16)
     assert by_ids.choices[0].text == "abc"
 
 
@@ -377,7 +378,7 @@ def test_chat_logprobs(
         top_logprobs=2,
         max_tokens=2,
     )
-    assert backend.submitted[0].sampling == {"max_tokens": 2, "logprobs": 2}
+    assert backend.submitted[0].sampling == SamplingParams(max_tokens=2, logprobs=2)
     logprobs = full.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
     got = [(t.token, t.logprob, t.bytes, [(a.token, a.logprob) for a in t.top_logprobs])

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from typing import Any
 
 import httpx
 import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.admission import Admission
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import OpenAIError
 from pdserve.gateway.generation import Generation
@@ -96,8 +99,16 @@ def test_an_oversized_prompt_is_a_400_over_http(serve: Serve) -> None:
     assert served.backend.submitted == []
 
 
-def test_a_slow_body_holds_no_slot(serve: Serve) -> None:
+def test_a_slow_body_holds_no_slot(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
     served = serve(GatewayConfig(max_pending_requests=1, body_timeout_s=0.5))
+    reading = threading.Event()  # the gateway has the slow request and waits for its body
+    read_body = Admission._read_body
+
+    async def noted(self: Admission, scope: Any, receive: Any) -> Any:
+        reading.set()
+        return await read_body(self, scope, receive)
+
+    monkeypatch.setattr(Admission, "_read_body", noted)
 
     async def main() -> tuple[int, int]:
         async def trickle():
@@ -110,7 +121,7 @@ def test_a_slow_body_holds_no_slot(serve: Serve) -> None:
             slow = asyncio.create_task(
                 client.post("/v1/completions", content=trickle(), headers=headers)
             )
-            await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(reading.wait, 5)
             ok = await client.post("/v1/completions", json=COMPLETION)  # the slot is free
             return ok.status_code, (await slow).status_code
 

@@ -189,7 +189,7 @@ def test_limits_at_the_boundary(url: str, server: tuple[str, FakeBackend]) -> No
         response = httpx.post(f"{url}{path}", content=content, headers=JSON)
         assert response.status_code == 200, response.text
     assert [r.n for r in server[1].submitted] == [16, 1, 1, 1, 1, 1] + [1] * 256
-    assert server[1].submitted[4].sampling["seed"] == 2**63 - 1
+    assert server[1].submitted[4].sampling.seed == 2**63 - 1
 
 
 def context_error(prompt: int, completion: int | None, param: str) -> dict[str, Any]:
@@ -214,7 +214,7 @@ def test_context_length_boundaries(
 
     assert post(C, prompt=[5] * 60, max_tokens=4).status_code == 200
     assert post(C, prompt=[5] * 63).status_code == 200  # room for one token
-    assert [r.sampling["max_tokens"] for r in backend.submitted] == [4, 1]
+    assert [r.sampling.max_tokens for r in backend.submitted] == [4, 1]
     refused = post(C, prompt=[5] * 60, max_tokens=5)
     assert (refused.status_code, refused.json()["error"]) == (400, context_error(60, 5, "prompt"))
     refused = post(C, prompt=[5] * 64)
@@ -224,7 +224,7 @@ def test_context_length_boundaries(
     )
     room = 64 - len(tok.encode_chat(USER))
     assert post(CH, messages=USER, max_completion_tokens=room).status_code == 200
-    assert backend.submitted[-1].sampling["max_tokens"] == room
+    assert backend.submitted[-1].sampling.max_tokens == room
     refused = post(CH, messages=USER, max_tokens=room + 1)
     expected = context_error(64 - room, room + 1, "messages")
     assert (refused.status_code, refused.json()["error"]) == (400, expected)

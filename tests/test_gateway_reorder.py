@@ -21,6 +21,7 @@ from pdserve.gateway.reorder import ChoiceOrder
 from pdserve.gateway.stream import stream_events
 from pdserve.gateway.zmq_backend import ZmqBackend
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from tests.gateway_util import MODELS, FakeBackend, FakeCluster, Script, Serve, chunk, wait_for
 
 TEXT = "one two three four five six seven"
@@ -97,7 +98,7 @@ def test_restart_drops_what_is_held_and_keeps_what_passed() -> None:
 def run(tok: Tokenizer, script: Script, *, slow: bool = False, **kw: Any) -> tuple[list, Any]:
     """The SSE events (parsed) of one completion; ``slow``: the reader stalls after the first."""
     backend = FakeBackend(MODELS, script)
-    request = GenerateRequest("cmpl-1", "tiny", [1, 2, 3], {"max_tokens": 64})
+    request = GenerateRequest("cmpl-1", "tiny", [1, 2, 3], SamplingParams(max_tokens=64))
     job = Job("completion", "cmpl-1", "tiny", [request], stream=True, include_usage=True)
 
     async def main() -> list[str]:
@@ -207,7 +208,9 @@ def test_a_migrated_choice_resumes_without_gap_or_repeat(
         await backend.start()
         try:
             assert await asyncio.to_thread(wait_for, backend.health)
-            stream = await backend.submit(GenerateRequest("r", "tiny", [1, 2], {"max_tokens": 9}))
+            stream = await backend.submit(
+                GenerateRequest("r", "tiny", [1, 2], SamplingParams(max_tokens=9))
+            )
             return [x async for x in stream]
         finally:
             await backend.close()

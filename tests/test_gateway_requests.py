@@ -1,4 +1,4 @@
-"""Request models, their conversion to SamplingParams kwargs, and OpenAI error bodies."""
+"""Request models, their conversion to SamplingParams, and OpenAI error bodies."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from pdserve.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
-    sampling_kwargs,
+    sampling_params,
 )
+from pdserve.protocol.sampling import SamplingParams
 
 MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=64)
 
@@ -64,10 +65,10 @@ def test_chat_fields_and_unknown_extras() -> None:
     ]
     assert req.requested_max_tokens() == 7
     assert req.stop_strings() == ["END"]
-    assert sampling_kwargs(req, 7) == {"max_tokens": 7, "logprobs": 3}
+    assert sampling_params(req, 7) == SamplingParams(max_tokens=7, logprobs=3)
 
 
-def test_sampling_kwargs_carry_every_set_field() -> None:
+def test_sampling_params_carry_every_set_field() -> None:
     req = CompletionRequest.model_validate(
         {
             "model": "tiny",
@@ -86,21 +87,21 @@ def test_sampling_kwargs_carry_every_set_field() -> None:
             "ignore_eos": True,
         }
     )
-    assert sampling_kwargs(req, 9) == {
-        "max_tokens": 9,
-        "temperature": 0.5,
-        "top_p": 0.9,
-        "top_k": 40,
-        "min_p": 0.05,
-        "presence_penalty": 0.1,
-        "frequency_penalty": -0.2,
-        "repetition_penalty": 1.1,
-        "seed": 7,
-        "stop_token_ids": [5],
-        "min_tokens": 2,
-        "logprobs": 0,
-        "ignore_eos": True,
-    }
+    assert sampling_params(req, 9) == SamplingParams(
+        max_tokens=9,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.1,
+        frequency_penalty=-0.2,
+        repetition_penalty=1.1,
+        seed=7,
+        stop_token_ids=[5],
+        min_tokens=2,
+        logprobs=0,
+        ignore_eos=True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -119,7 +120,7 @@ def test_sampling_kwargs_carry_every_set_field() -> None:
 def test_sampling_errors_name_the_field(fields: dict, param: str, message: str) -> None:
     req = chat().model_copy(update=fields)  # past the request model's own range checks
     with pytest.raises(OpenAIError) as info:
-        sampling_kwargs(req, req.requested_max_tokens() if "max_completion_tokens" in fields else 3)
+        sampling_params(req, req.requested_max_tokens() if "max_completion_tokens" in fields else 3)
     assert info.value.body() == {
         "error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}
     }
@@ -198,7 +199,7 @@ def test_prepare_chat_applies_the_template(tokenizer: Tokenizer) -> None:
     assert request.prompt_token_ids == ids
     assert request.request_id == job.response_id
     assert job.response_id.startswith("chatcmpl-") and len(job.response_id) == 9 + 32
-    assert request.sampling == {"max_tokens": MODEL.max_model_len - len(ids)}  # all the room
+    assert request.sampling == SamplingParams(max_tokens=MODEL.max_model_len - len(ids))  # all room
     assert (job.kind, job.n, job.stops, job.include_usage, job.logprobs) == (
         "chat", 1, ["x"], True, False,
     )  # fmt: skip
@@ -233,7 +234,7 @@ def test_prepare_completion_prompt_forms(tokenizer: Tokenizer) -> None:
     job = prepare_completion(req, tokenizer, MODEL)
     assert [r.request_id for r in job.requests] == [f"{job.response_id}-0", f"{job.response_id}-1"]
     assert job.num_choices == 4
-    assert [r.sampling["max_tokens"] for r in job.requests] == [16, 16]
+    assert [r.sampling.max_tokens for r in job.requests] == [16, 16]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from pdserve.gateway.stream import (
     stream_events,
     usage_body,
 )
+from pdserve.protocol.sampling import SamplingParams
 from tests.gateway_util import FakeBackend, Script
 
 HI = [39, 72, 259, 263]  # H|i| the|re
@@ -41,7 +42,7 @@ def tokenizer(model_dirs: dict[str, Path]) -> Tokenizer:
 
 def job(kind: str = "chat", n: int = 1, prompts: int = 1, **kw: Any) -> Job:
     rid = "chatcmpl-1" if kind == "chat" else "cmpl-1"
-    sampling = {"max_tokens": 16, **({"logprobs": kw.pop("k")} if "k" in kw else {})}
+    sampling = SamplingParams(max_tokens=16, logprobs=kw.pop("k", None))
     requests = [
         GenerateRequest(rid if prompts == 1 else f"{rid}-{i}", "tiny", [1, 2, 3], sampling, n)
         for i in range(prompts)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +31,6 @@ CHECKS = [
 def test_without_cuda_every_row_is_skipped_with_its_reason(tmp_path) -> None:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    start = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu.py"), f"--json={out}"],
         cwd=ROOT,
@@ -41,9 +39,7 @@ def test_without_cuda_every_row_is_skipped_with_its_reason(tmp_path) -> None:
         text=True,
         timeout=120,
     )
-    elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stderr
-    assert elapsed < 60  # no GPU work was attempted
     result = json.loads(out.read_text())
     caps = result["capabilities"]
     cuda_reason = caps["cuda"][1]
@@ -56,7 +52,7 @@ def test_without_cuda_every_row_is_skipped_with_its_reason(tmp_path) -> None:
         assert caps[name][1].startswith(f"no CUDA ({cuda_reason})")
     rows = result["rows"]
     assert [r["check"] for r in rows] == CHECKS
-    for row in rows:
+    for row in rows:  # no GPU work was attempted: every row was skipped, for its reason
         assert row["result"] == f"skipped: {caps[row['needs']][1]}"
     lines = done.stdout.strip().splitlines()
     assert lines[0].split(" | ")[0].strip() == "check"

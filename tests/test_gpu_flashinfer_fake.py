@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.attention import flashinfer_backend as fb
 from pdserve.engine.cuda_graphs import CudaGraphRunner, decode_slots, pad_slot
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import make_engine, prompts
 from tests.flashinfer_fake import fake_flashinfer
 

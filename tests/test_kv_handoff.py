@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import greedy, hf_greedy, make_engine, prompts, run_all
 
 

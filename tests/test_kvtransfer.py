@@ -4,6 +4,7 @@ late, unexpected and corrupted transfers FAIL (or are dropped) without touching 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from pdserve.kvtransfer.base import (
 from pdserve.kvtransfer.common import layout_of
 from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
 from pdserve.protocol.sockets import free_port, ipc_address
+from tests.gateway_util import wait_for
 
 # the transfer secret each receiver returned from ``expect``, by request id
 SECRETS: dict[str, bytes] = {}
@@ -362,9 +364,10 @@ def test_ucx_backend_without_ucxx(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_transfer_without_its_secret_is_dropped(make, backend) -> None:
+def test_a_transfer_without_its_secret_is_dropped(make, backend, caplog) -> None:
     """Only the sender handed the reservation's secret may write its blocks: a forged one (no
     secret, a wrong one) changes nothing and leaves the reservation for the real one."""
+    caplog.set_level(logging.WARNING, logger="pdserve.kvtransfer")
     src, dst, forged = cache(1), cache(2), cache(3)
     before = [t.clone() for t in dst]
     receiver = make.receiver(dst)
@@ -375,7 +378,11 @@ def test_a_transfer_without_its_secret_is_dropped(make, backend) -> None:
         attacker = make.sender()
         attacker.send(TransferSpec("r1", [0, 1], [4, 5], receiver.address, secret=wrong), forged)
         assert wait(lambda a=attacker: a.poll("r1")) is KVPoll.DONE  # handed to the transport
-    time.sleep(0.2)
+
+    def turned_away() -> int:
+        return sum("without its secret" in r.getMessage() for r in caplog.records)
+
+    assert wait_for(lambda: turned_away() == 3)  # the receiver has judged every forged one
     assert receiver.poll("r1") is KVPoll.PENDING
     assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
     sender.send(TransferSpec("r1", [0, 1], [4, 5], receiver.address, secret=secret), src)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
-GREEDY = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
-SAMPLED = m.SamplingSpec(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+GREEDY = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SAMPLED = m.SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_a_choice_ended_by_token_0_does_not_decode(clusters, tiny_dir) -> None:
     if len(set(firsts.values())) < 3:
         pytest.skip("the seeds drew the same token 0")  # not with these seeds
     cluster = clusters()
-    spec = m.SamplingSpec(
+    spec = m.SamplingParams(
         max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, stop_token_ids=[firsts[1]]
     )
     cluster.submit("r", prompt, spec, n=3)
@@ -99,7 +99,7 @@ def test_a_choice_ended_by_token_0_does_not_decode(clusters, tiny_dir) -> None:
 
 def test_every_choice_ended_by_token_0_frees_the_reservation(clusters) -> None:
     cluster = clusters()
-    spec = m.SamplingSpec(max_tokens=1, temperature=1.0, seed=3)
+    spec = m.SamplingParams(max_tokens=1, temperature=1.0, seed=3)
     cluster.submit("r", prompts(512, [10], seed=73)[0], spec, n=4)
     cluster.pump()
     assert {c: len(t) for c, t in cluster.tokens("r").items()} == {0: 1, 1: 1, 2: 1, 3: 1}
@@ -109,7 +109,7 @@ def test_every_choice_ended_by_token_0_frees_the_reservation(clusters) -> None:
 
 def test_abort_while_decoding_frees_every_choice(clusters) -> None:
     cluster = clusters()
-    spec = m.SamplingSpec(max_tokens=200, temperature=0.0, ignore_eos=True)
+    spec = m.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     cluster.submit("r", prompts(512, [30], seed=74)[0], spec, n=4)
     for _ in range(200):
         cluster.pump_round()

@@ -3,12 +3,12 @@ so the prefill worker moves only the rest (a chat's second turn moves only its n
 
 from __future__ import annotations
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
-SPEC = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+SPEC = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def cached_tokens(cluster: Cluster, request_id: str) -> int:

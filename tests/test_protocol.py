@@ -34,8 +34,9 @@ from pdserve.protocol.messages import (
     RequestError,
     Reserve,
     Reserved,
-    SamplingSpec,
+    SamplingParams,
     ServedModel,
+    StructuredSpec,
     TokenBatch,
     TokenChunk,
     TokenLogprob,
@@ -45,7 +46,7 @@ from pdserve.protocol.messages import (
     encode,
 )
 
-SPEC = SamplingSpec(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2, 9])
+SPEC = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2, 9])
 LOGPROB = TokenLogprob(token_id=5, logprob=-0.25, rank=2, top=[(4, -0.125), (5, -0.25)])
 LAYOUT = KVLayout(block_size=16, dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16)
 SAMPLES = [
@@ -65,7 +66,7 @@ SAMPLES = [
     Reserve("r1", [1, 2, 3], SPEC, n=1, stream_address="ipc://gw"),
     Reserved("r1", "d0", [4, 9], "tcp://127.0.0.1:6", choice=1),
     Reserved("r2", "d0", [], "tcp://127.0.0.1:6", error="no free blocks"),
-    PrefillJob("r1", [1, 2, 3], SPEC, 1, "d0", [4, 9], "tcp://127.0.0.1:6", "ipc://gw"),
+    PrefillJob("r1", [1, 2, 3], SPEC, 1, [4, 9], "tcp://127.0.0.1:6", "ipc://gw"),
     TransferDone("r1", [42, 43], [LOGPROB, LOGPROB], num_cached_tokens=16),
     TokenBatch([TokenChunk("r1", 0, 1, [7, 8], None, False, None, 3, 0)]),
     TokenBatch(
@@ -129,7 +130,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 3,
+        "v": 4,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -140,7 +141,7 @@ def test_nested_values_come_back_typed() -> None:
     back = decode(encode(TransferDone("r1", [1], [LOGPROB])))
     assert back.first_logprobs[0].top == [(4, -0.125), (5, -0.25)]
     assert type(back.first_logprobs[0].top[0]) is tuple
-    spec = decode(encode(Generate("r", "m", [1], SamplingSpec(temperature=0), 1, "a"))).sampling
+    spec = decode(encode(Generate("r", "m", [1], SamplingParams(temperature=0), 1, "a"))).sampling
     assert spec.temperature == 0.0 and type(spec.temperature) is float
 
 
@@ -154,15 +155,82 @@ def test_large_bytes_travel_as_extra_frames() -> None:
     assert decode_error([*frames, b"x"]) == "KVHeader: 1 unreferenced extra frame(s)"
 
 
-def test_sampling_spec_mirrors_sampling_params() -> None:
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.sequence import TokenLogprob as EngineLogprob
+def test_the_engine_uses_the_wire_types() -> None:
+    """One type per concept: what the sampler reads and makes is what travels."""
+    import typing
 
-    assert dataclasses.asdict(SamplingSpec()) == dataclasses.asdict(SamplingParams())
-    params = SamplingParams(**dataclasses.asdict(SPEC))
-    assert (params.max_tokens, params.top_k, params.stop_token_ids) == (7, 3, [2, 9])
-    engine_fields = [f.name for f in dataclasses.fields(EngineLogprob)]
-    assert [f.name for f in dataclasses.fields(TokenLogprob)] == engine_fields
+    from pdserve.engine.engine import RequestOutput
+    from pdserve.engine.sequence import Sequence
+
+    hints = typing.get_type_hints(Sequence)
+    assert hints["params"] is SamplingParams
+    assert hints["output_logprobs"] == list[TokenLogprob]
+    assert typing.get_type_hints(RequestOutput)["new_logprobs"] == list[TokenLogprob]
+    assert typing.get_type_hints(Generate)["sampling"] is SamplingParams
+    assert (SPEC.max_tokens, SPEC.top_k, SPEC.stop_token_ids) == (7, 3, [2, 9])
+
+
+def test_sampling_params_and_logprobs_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SPEC.seed = 12  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LOGPROB.rank = 1  # type: ignore[misc]
+    assert (dataclasses.replace(SPEC, seed=12).seed, SPEC.seed) == (12, 11)
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 2.0$"):
+        dataclasses.replace(SPEC, top_p=2.0)  # a variant is validated as well
+
+
+FULL_SPEC = SamplingParams(
+    max_tokens=9,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=-1,
+    min_p=0.05,
+    presence_penalty=-2.0,
+    frequency_penalty=2.0,
+    repetition_penalty=1.1,
+    seed=2**63 - 1,
+    stop_token_ids=[2, 9],
+    ignore_eos=True,
+    min_tokens=9,
+    logprobs=20,
+    structured=StructuredSpec("regex", "[ab]+"),
+)
+
+
+@pytest.mark.parametrize(
+    "spec", [SamplingParams(), SPEC, FULL_SPEC], ids=["default", "spec", "full"]
+)
+def test_sampling_params_round_trip(spec: SamplingParams) -> None:
+    for msg in (
+        Generate("r1", "tiny", [1], spec, 1, "ipc://gw"),
+        Reserve("r1", [1], spec, 1, "ipc://gw"),
+        PrefillJob("r1", [1], spec, 1, [4], "tcp://127.0.0.1:6", "ipc://gw"),
+    ):
+        back = decode(encode(msg))
+        assert back == msg and back.sampling == spec
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"sampling__temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ({"sampling__top_p": 0}, "top_p must be in (0, 1], got 0.0"),
+        ({"sampling__top_k": -2}, "top_k must be -1, 0 (off) or positive, got -2"),
+        ({"sampling__min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"sampling__presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"sampling__frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3.0"),
+        ({"sampling__repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"sampling__max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"sampling__min_tokens": -1}, "min_tokens must be >= 0, got -1"),
+        ({"sampling__min_tokens": 8}, "min_tokens (8) must not exceed max_tokens (7)"),
+        ({"sampling__logprobs": 21}, "logprobs must be between 0 and 20, got 21"),
+        ({"sampling__temperature": float("nan")}, "temperature must be >= 0, got nan"),
+    ],
+)
+def test_out_of_range_sampling_is_refused_by_the_codec(changes: dict, message: str) -> None:
+    """A peer's bad values stop at decode, as the codec's own error naming the field."""
+    assert decode_error(generate_frames(**changes)) == f"Generate.sampling: {message}"
 
 
 # ---- rejections ------------------------------------------------------------------------------
@@ -175,8 +243,8 @@ def test_sampling_spec_mirrors_sampling_params() -> None:
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 3"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 3"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 4"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 4"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
@@ -210,7 +278,7 @@ def generate_frames(**changes: object) -> list[bytes]:
         ({"n": 1.0}, "Generate.n: expected int, got float"),
         ({"prompt_token_ids": "abc"}, "Generate.prompt_token_ids: expected list[int], got str"),
         ({"prompt_token_ids": [1, "2"]}, "Generate.prompt_token_ids[1]: expected int, got str"),
-        ({"sampling": [1]}, "Generate.sampling: expected SamplingSpec, got list"),
+        ({"sampling": [1]}, "Generate.sampling: expected SamplingParams, got list"),
         (
             {"sampling__temperature": "hot"},
             "Generate.sampling.temperature: expected float, got str",
@@ -271,7 +339,7 @@ def test_a_mistyped_message_is_refused_by_its_receiver() -> None:
         decode(encode(Abort("r1", 3)))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match=r"cannot encode"):
         encode(Abort("r1", object()))  # type: ignore[arg-type]
-    with pytest.raises(ProtocolError, match=r"^SamplingSpec is not a registered message$"):
+    with pytest.raises(ProtocolError, match=r"^SamplingParams is not a registered message$"):
         encode(SPEC)  # type: ignore[arg-type]
 
 
@@ -320,7 +388,7 @@ def test_fuzz_values_only_protocol_errors() -> None:
 
 def test_protocol_and_kvtransfer_base_import_no_torch() -> None:
     code = (
-        "import sys, protocol.sockets, protocol.messages, kvtransfer.base; "
+        "import sys, pdserve.protocol.sockets, pdserve.protocol.messages, pdserve.kvtransfer.base; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

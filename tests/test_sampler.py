@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import Sampler, _top_k_top_p
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import greedy, hf_greedy, hf_last_logits, make_engine, prompts, run_all
 
 
@@ -132,6 +133,7 @@ def test_logprobs_match_transformers(tiny_dir) -> None:
     prompt = prompts(engine.model_config.vocab_size, [11], seed=9)[0]
     engine.add_request("r", prompt, greedy(1, logprobs=3))
     lp = run_all(engine)["r"].new_logprobs[0]
+    assert type(lp) is TokenLogprob  # the wire's own type: the workers pass it on as it is
     ref = hf_last_logits(tiny_dir, prompt).log_softmax(-1)
     top = ref.topk(3)
     assert lp.token_id == int(ref.argmax()) and lp.rank == 1

@@ -26,6 +26,7 @@ from pdserve.protocol.security import KeysError, SecureContext, Security
 from pdserve.protocol.sockets import bound_address, make_socket, recv_from, send_msg
 from tests.e2e_util import PDSERVE, ServedCluster
 from tests.engine_util import greedy, make_engine
+from tests.gateway_util import wait_for
 
 LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -164,21 +165,33 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
             assert got is not None and isinstance(got[1], m.ClusterState)
             return {w.worker_id: (w.used_blocks, w.total_blocks) for w in got[1].workers}
 
+        w1_key, w2_key = Security.load(keys, "w1").user_id, Security.load(keys, "w2").user_id
+
+        def refused(*lines: str) -> bool:
+            """Wait until the coordinator has logged each of ``lines``: it judged those messages."""
+            logged = tmp_path / "coordinator.log"
+            return wait_for(lambda: all(x in logged.read_text() for x in lines))
+
+        # one socket's messages arrive in order: the state asked for on as_w1 follows its own
         send_msg(as_w1, register("d1"))
         send_msg(as_w1, heartbeat("d1", used=7))
         send_msg(keyless, register("fake", num_blocks=1 << 30))  # no key: never heard
         send_msg(as_w2, register("huge", num_blocks=1 << 40))  # a key, impossible numbers
-        time.sleep(0.3)
+        assert refused("refusing worker huge: num_blocks=1099511627776 is outside [1, ")
         assert workers() == {"d1": (7, 64)}
         # another key re-registers d1 and heartbeats for it; d1 itself lies about its numbers
         send_msg(as_w2, register("d1", address="tcp://127.0.0.1:2"))
         send_msg(as_w2, heartbeat("d1", used=0))
         send_msg(as_w1, heartbeat("d1", used=1, queued=-(10**9)))
         send_msg(as_w1, heartbeat("d1", used=1, total=1 << 30))
-        time.sleep(0.3)
+        assert refused(
+            f"refused Register of live worker d1 from key {w2_key}: it registered with key ",
+            f"refused Heartbeat for worker d1 from key {w2_key}",
+            "refused a heartbeat of d1: queued_prompt_tokens=-1000000000",
+            "refused a heartbeat of d1: total_blocks=1073741824, registered 64",
+        )
         assert workers() == {"d1": (7, 64)}
         send_msg(as_w1, heartbeat("d1", used=3))  # its own, true figures still count
-        time.sleep(0.2)
         assert workers() == {"d1": (3, 64)}
     finally:
         for ctx in (w1, w2, plain):
@@ -187,12 +200,6 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
         proc.wait(10)
     log.seek(0)
     out = log.read()
-    w1_key, w2_key = Security.load(keys, "w1").user_id, Security.load(keys, "w2").user_id
-    assert f"refused Register of live worker d1 from key {w2_key}: it registered with key " in out
-    assert f"refused Heartbeat for worker d1 from key {w2_key}" in out
-    assert "refusing worker huge: num_blocks=1099511627776 is outside [1, " in out
-    assert "refused a heartbeat of d1: queued_prompt_tokens=-1000000000" in out
-    assert "refused a heartbeat of d1: total_blocks=1073741824, registered 64" in out
     assert f"from key {w1_key}" not in out  # d1's own key is never refused
     assert "fake" not in out
 

@@ -12,10 +12,10 @@ import jsonschema_rs
 import pytest
 
 from pdserve.engine.grammar import GrammarCache, grammar_text
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine
 from tests.test_worker_death import kill
@@ -183,8 +183,8 @@ def test_preemption_keeps_the_constraint(tiny_dir, tok) -> None:
 # ---- across the split ------------------------------------------------------------------------
 
 
-def spec_of(**kw) -> m.SamplingSpec:
-    return m.SamplingSpec(**{"max_tokens": 120, "temperature": 0.0, **kw})
+def spec_of(**kw) -> m.SamplingParams:
+    return m.SamplingParams(**{"max_tokens": 120, "temperature": 0.0, **kw})
 
 
 def cluster_tokens(cluster: Cluster, rid: str, prompt, spec, n: int = 1):

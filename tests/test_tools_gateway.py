@@ -110,7 +110,7 @@ def test_auto_hermes_streamed_equals_non_streamed(
     )
     prompt = toks["hermes"].decode(served.backend.submitted[0].prompt_token_ids, False)
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
-    assert "structured" not in served.backend.submitted[0].sampling  # auto: unconstrained
+    assert served.backend.submitted[0].sampling.structured is None  # auto: unconstrained
 
     chunks = list(
         api.chat.completions.create(model="hermes", messages=ASK, tools=TOOLS, n=2, stream=True)
@@ -219,7 +219,7 @@ def test_constraint_reaches_the_worker(served: Served, toks: dict[str, Tokenizer
         api.chat.completions.create(model="hermes", messages=ASK, tools=TOOLS, tool_choice=choice)
         body = {"model": "hermes", "messages": ASK, "tools": TOOLS, "tool_choice": choice}
         want = tool_choice_constraint(ChatCompletionRequest.model_validate(body))
-        assert served.backend.submitted[0].sampling.get("structured") == want
+        assert served.backend.submitted[0].sampling.structured == want
 
 
 @pytest.mark.parametrize(

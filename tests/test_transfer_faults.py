@@ -10,7 +10,7 @@ from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
-SPEC = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+SPEC = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FAULTS = {
     "drop": FaultPlan("drop"),
     "delay": FaultPlan("delay", delay_s=2.0),  # past the 0.5 s transfer timeout

@@ -10,7 +10,7 @@ from pdserve.worker.wire import heartbeat
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
-SPEC = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+SPEC = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def kill(cluster: Cluster, dead: str) -> None:
@@ -74,7 +74,7 @@ def test_decode_death_mid_stream_ends_with_an_error_and_frees_prefill(tiny_dir) 
         cluster.submit(
             "r",
             prompts(512, [12], seed=42)[0],
-            m.SamplingSpec(max_tokens=300, temperature=0.0, ignore_eos=True),
+            m.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True),
         )
         while not any(w.running for w in cluster.workers.values() if hasattr(w, "running")):
             cluster.pump_round()
@@ -98,7 +98,7 @@ def test_resume_on_another_decode_worker_continues_exactly(tiny_dir) -> None:
     cluster = make(tiny_dir, 1, 2)
     try:
         prompt = prompts(512, [12], seed=44)[0]
-        spec = m.SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True)
+        spec = m.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         cluster.submit("r", prompt, spec)
         while not any(getattr(w, "running", None) for w in cluster.workers.values()):
             cluster.pump_round()

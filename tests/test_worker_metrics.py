@@ -15,7 +15,7 @@ from pdserve.worker.wire import block_bytes
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine, prompts
 
-SPEC = m.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+SPEC = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def test_two_turns_add_up_exactly(tiny_dir) -> None:

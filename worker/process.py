@@ -58,7 +58,6 @@ def run_worker(args: argparse.Namespace, role: str, build: Build) -> int:
     """Start the engine, build the role's parts, register and step until signalled."""
     check_worker_args(args, role)
     from pdserve.engine.cli_args import engine_config_from_args
-    from pdserve.engine.kv_events import KVEventPublisher
     from pdserve.worker.wire import heartbeat, kv_layout
 
     config: EngineConfig = engine_config_from_args(args)
@@ -82,12 +81,12 @@ def run_worker(args: argparse.Namespace, role: str, build: Build) -> int:
         transfer_address=advertised(parts.transfer_address, args.advertise_host),
         transfer_backend=args.transfer_backend,
         layout=kv_layout(engine),
-        num_blocks=engine.block_manager.num_blocks,
+        num_blocks=engine.num_blocks,
         model_root=os.path.abspath(config.model),
         max_model_len=engine.max_model_len,
     )
 
-    kv_events = KVEventPublisher(engine.block_manager, worker_id)
+    kv_events = engine.kv_event_publisher(worker_id)
 
     # Register again each period (a restarted coordinator relearns the cluster from it) is
     # the keep-alive; the Heartbeat is built on the loop thread, the only one touching the

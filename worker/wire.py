@@ -7,10 +7,9 @@ import dataclasses
 from typing import Protocol
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprob
 from pdserve.kvtransfer.common import layout_of
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 
 
 class Outbox(Protocol):
@@ -49,30 +48,17 @@ def prompt_key(request_id: str, choice: int) -> str:
     return f"{request_id}#{choice}+prompt"
 
 
-def sampling_params(spec: m.SamplingSpec, choice: int = 0) -> SamplingParams:
-    """Rebuild (and validate) the params; choice ``c`` of a seeded request draws from seed+c."""
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    params = SamplingParams(**fields)
-    if params.seed is not None and choice:
-        params.seed += choice
-    return params
-
-
-def wire_logprobs(lps: list[TokenLogprob] | None) -> list[m.TokenLogprob] | None:
-    if not lps:
-        return None
-    return [m.TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)) for lp in lps]
-
-
-def engine_logprob(lp: m.TokenLogprob | None) -> TokenLogprob | None:
-    if lp is None:
-        return None
-    return TokenLogprob(lp.token_id, lp.logprob, lp.rank, [tuple(t) for t in lp.top])
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice ``c`` of a seeded request draws from seed + c, so its ``n`` choices differ and
+    each is the same whichever worker runs it."""
+    if params.seed is None or not choice:
+        return params
+    return dataclasses.replace(params, seed=params.seed + choice)
 
 
 def kv_layout(engine: LLMEngine) -> m.KVLayout:
     """What this engine's blocks look like to another worker (``Register.layout``)."""
-    return layout_of(engine.runner.kv_cache.layers)
+    return layout_of(engine.kv_layers)
 
 
 class TransferStats:
@@ -97,13 +83,13 @@ class TransferStats:
 
 def block_bytes(engine: LLMEngine) -> int:
     """Bytes of KV one block holds, over every layer (what moving it costs)."""
-    return sum(layer[0].numel() * layer.element_size() for layer in engine.runner.kv_cache.layers)
+    return sum(layer[0].numel() * layer.element_size() for layer in engine.kv_layers)
 
 
 def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> m.WorkerCounters:
     t = transfers or TransferStats()
     return m.WorkerCounters(
-        prefix_hit_tokens=engine.scheduler.prefix_hit_tokens,
+        prefix_hit_tokens=engine.prefix_hit_tokens,
         prefill_tokens=engine.prefill_tokens_computed,
         kv_blocks_sent=t.blocks,
         kv_bytes_sent=t.bytes,
@@ -119,14 +105,13 @@ def heartbeat(
     draining: bool = False,
     transfers: TransferStats | None = None,
 ) -> m.Heartbeat:
-    bm = engine.block_manager
     return m.Heartbeat(
         worker_id=worker_id,
-        free_blocks=bm.num_free_blocks,
-        used_blocks=bm.num_used_blocks,
-        total_blocks=bm.num_blocks,
-        running=len(engine.scheduler.running),
-        waiting=len(engine.scheduler.waiting),
+        free_blocks=engine.num_free_blocks,
+        used_blocks=engine.num_used_blocks,
+        total_blocks=engine.num_blocks,
+        running=engine.num_running,
+        waiting=engine.num_waiting,
         queued_prompt_tokens=queued_prompt_tokens,
         draining=draining,
         counters=worker_counters(engine, transfers),

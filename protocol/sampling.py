@@ -1,15 +1,38 @@
-"""Per-request sampling parameters (OpenAI and vLLM semantics)."""
+"""Sampling parameters (OpenAI and vLLM semantics): one frozen type from the HTTP layer to the
+sampler.
+
+    gateway (built from the OpenAI request) ── Generate ─▶ coordinator ── Reserve, PrefillJob ─▶
+    workers ─▶ engine (``Sequence.params``, read by the sampler)
+
+It is made valid or not at all: construction raises ``ValueError`` naming the field, so the
+codec, which rebuilds it on decode, turns a peer's out-of-range value into its own
+``ProtocolError``. Nothing changes it after: ``dataclasses.replace`` makes a variant (a
+choice's own seed). It lives in ``protocol`` so the torch-free roles share it with the engine.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from pdserve.protocol.messages import StructuredSpec
+from typing import Literal
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
-@dataclass
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the output (``engine.structured`` compiles it; one matcher per choice).
+
+    ``kind`` "json": ``spec`` is a JSON Schema (``{"type": "object"}`` for OpenAI's
+    json_object); "regex": a regular expression the whole output matches; "choice": a JSON list
+    of strings, the output is one of them; "grammar": a Lark grammar or a GBNF/EBNF one.
+    """
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
@@ -27,22 +50,8 @@ class SamplingParams:
     structured: StructuredSpec | None = None  # output constraint (``engine.structured``)
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the offending field."""
+        """Raise ``ValueError`` naming the offending field (the gateway reports it as the
+        request's ``param``)."""
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -67,10 +76,22 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (
-                self.logprobs is None or 0 <= self.logprobs <= 20,
-                f"logprobs must be between 0 and 20, got {self.logprobs}",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
             ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
