@@ -33,9 +33,11 @@ from collections import Counter
 from typing import Protocol
 
 from pdserve.coordinator.capacity import too_big
+from pdserve.coordinator.local import LocalPrefill
 from pdserve.coordinator.placement import HOT_SPOT_TOKENS, Placement
 from pdserve.coordinator.recovery import Recovery
 from pdserve.coordinator.registry import Worker, WorkerRegistry
+from pdserve.coordinator.reserve import DecodeReservation
 from pdserve.coordinator.routes import Key, Route, RouteTable
 from pdserve.kvtransfer.base import LayoutMismatchError
 from pdserve.protocol import messages as m
@@ -51,7 +53,7 @@ class CoordinatorOutbox(Protocol):
     def forget_worker(self, worker_id: str) -> None: ...
 
 
-class Coordinator(Recovery):
+class Coordinator(Recovery, LocalPrefill, DecodeReservation):
     def __init__(
         self,
         outbox: CoordinatorOutbox,
@@ -168,151 +170,6 @@ class Coordinator(Recovery):
             self._run_colocated(req)
         elif not self._prefill_on_decode(req):
             self._reserve(req, 0)
-
-    def _prefill_on_decode(self, req: m.Generate) -> bool:
-        """Conditional disaggregation: whether the request went to a decode worker to prefill
-        itself (short prompt, or a busy prefill pool) rather than through a transfer."""
-        reason = self._local_reason(req)
-        if reason is None:
-            self.decisions["disaggregated"] += req.n
-            return False
-        need = self._blocks_for(req, req.n)
-        worker = self.placement.pick_decode(req.model, need, self._silent(), req.prompt_token_ids)
-        if worker is None:  # no room anywhere now: the usual path queues it
-            self.decisions["disaggregated"] += req.n
-            return False
-        self.decisions[reason] += req.n
-        self._run_local(req, worker.worker_id)
-        return True
-
-    def _blocks_for(self, req: m.Generate, choices: int) -> int:
-        """Decode blocks ``choices`` forked choices start with: the prompt's and token 0's,
-        and one more each past the first (engine/fork.py ``fork_blocks_needed``)."""
-        bs = self._block_size(req.model)
-        return -(-(len(req.prompt_token_ids) + 1) // bs) + choices - 1
-
-    def _local_reason(self, req: m.Generate) -> str | None:
-        if self.max_local_prefill_tokens > 0 and req.prompt_token_ids:
-            # the part of the prompt its decode worker would compute: a conversation's next
-            # turn is short even when its history is long
-            hit = self.placement.decode_hit_tokens(req.model, req.prompt_token_ids)
-            if len(req.prompt_token_ids) - hit <= self.max_local_prefill_tokens:
-                return "local_short_prompt"
-        if self.max_prefill_queue_tokens > 0:
-            queued = self.registry.prefill_queue_tokens(req.model, self._silent())
-            if queued is not None and queued > self.max_prefill_queue_tokens:
-                return "local_prefill_busy"
-        return None
-
-    def _reserve(
-        self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""
-    ) -> bool:
-        """Ask the decode worker with the most room (none of ``tried``, none silent) to hold
-        blocks for this choice (choice 0: for every choice of the request, which go as one);
-        ``why`` the last one did not."""
-        choices = req.n if choice == 0 else 1
-        need = self._blocks_for(req, choices)
-        tried = tried or set()
-        worker = self.placement.pick_decode(
-            req.model, need, tried | self._silent(), req.prompt_token_ids
-        )
-        if worker is None:
-            if self._can_queue(req.model):
-                # the pool is full for now: wait for blocks to come back, oldest first
-                route = Route(req, choice, "queued", since=self._now, need=need)
-                route.choices = choices
-                self.routes.add(route)
-                logger.info("request %s#%d: queued (%s)", req.request_id, choice, why or "full")
-                return True
-            key = (req.request_id, choice)
-            message = "no decode worker has free KV blocks for this prompt"
-            self._fail(key, 503, f"{why}; {message}" if why else message, req)
-            return False
-        route = Route(req, choice, "reserving", decode=worker.worker_id, since=self._now)
-        route.need, route.tried, route.choices = need, tried, choices
-        self.routes.add(route)
-        self._send_reserve(route)
-        return True
-
-    def _send_reserve(self, route: Route) -> None:
-        req = route.request
-        msg = m.Reserve(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling,
-            req.n,
-            req.stream_address,
-            route.choice,
-            route.choices,
-        )
-        self._send(route.decode, msg)
-
-    def _can_queue(self, model: str) -> bool:
-        """A choice may wait for blocks while some decode worker of its model answers and the
-        queue has room; else it fails at once (503, retryable)."""
-        queued = sum(1 for r in self.routes.values() if r.state == "queued")
-        return queued < self.max_queued and self.registry.has_decoder(model, self._silent())
-
-    def _place_queued(self) -> None:
-        """Reserve for waiting choices, oldest first, while decode blocks allow."""
-        silent = self._silent()
-        for route in [r for r in self.routes.values() if r.state == "queued"]:
-            req = route.request
-            worker = self.placement.pick_decode(req.model, route.need, silent, req.prompt_token_ids)
-            if worker is None:
-                return  # first come, first served: no later, smaller one jumps the queue
-            route.state, route.decode, route.since = "reserving", worker.worker_id, self._now
-            self._send_reserve(route)
-
-    def _resume(self, req: m.Generate) -> None:
-        """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far
-        and decodes on (no transfer)."""
-        choice = req.resume_choice
-        bs = self._block_size(req.model)
-        need = -(-(len(req.prompt_token_ids) + len(req.resume_token_ids) + 1) // bs)
-        worker = self.placement.pick_decode(req.model, need, ())
-        if worker is None:
-            self._error_to(req, 503, "no decode worker can take over this request")
-            return
-        logger.info(
-            "request %s#%d resumes on %s after %d tokens",
-            req.request_id,
-            choice,
-            worker.worker_id,
-            len(req.resume_token_ids),
-        )
-        self._run_local(req, worker.worker_id, choice, list(req.resume_token_ids))
-
-    def _run_colocated(self, req: m.Generate) -> None:
-        worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))
-        if worker is None:
-            self._error_to(req, 503, f"model {req.model} has no worker")
-            return
-        self._run_local(req, worker.worker_id)
-
-    def _run_local(
-        self, req: m.Generate, worker_id: str, choice: int = 0, generated: list[int] | None = None
-    ) -> None:
-        """One worker runs both phases (no transfer): of every choice, prefilled once and
-        forked there; or, ``generated`` given, of ``choice`` alone after those tokens."""
-        members = [choice] if generated is not None else list(range(req.n))
-        for c in members:
-            self.routes.add(Route(req, c, "local", decode=worker_id, prefill=worker_id))
-            if generated is None:  # a resumed choice's gateway knows it is accepted
-                self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, c))
-        job = m.PrefillJob(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling,
-            req.n,
-            [],
-            "",
-            req.stream_address,
-            choice,
-            generated or [],
-            choices=len(members),
-        )
-        self._send(worker_id, job)
 
     def _reserved(self, msg: m.Reserved, now: float) -> None:
         key = (msg.request_id, msg.choice)

@@ -30,22 +30,17 @@ class Recovery:
     silent: dict[str, float]
     _now: float
 
-    def _fail(self, key: Key, status: int, message: str, req: m.Generate | None = None) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by Coordinator or another of its mixins
 
-    def _send(self, worker_id: str, msg: m.Message) -> None:
-        raise NotImplementedError
-
-    def _reserve(
-        self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""
-    ) -> bool:
-        raise NotImplementedError
-
-    def _pick_prefill(self, req: m.Generate, tried: set[str]) -> Worker | None:
-        raise NotImplementedError
-
-    def _place_queued(self) -> None:
-        raise NotImplementedError
+        def _fail(
+            self, key: Key, status: int, message: str, req: m.Generate | None = None
+        ) -> None: ...
+        def _send(self, worker_id: str, msg: m.Message) -> None: ...
+        def _reserve(
+            self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""
+        ) -> bool: ...
+        def _pick_prefill(self, req: m.Generate, tried: set[str]) -> Worker | None: ...
+        def _place_queued(self) -> None: ...
 
     def tick(self, now: float) -> None:
         self._now = now

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
+from pdserve.decode.choice import Choice
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.base import KVPoll, KVReceiver
@@ -33,36 +33,6 @@ from pdserve.worker.wire import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Choice:
-    """One choice; until it decodes, the ``choices`` from it on that share its reservation
-    (one prompt moved here, forked into each when the KV has landed)."""
-
-    request_id: str
-    choice: int
-    prompt_token_ids: list[int]
-    sampling: m.SamplingParams
-    stream_address: str
-    choices: int = 1
-    first_tokens: list[int] = field(default_factory=list)  # token 0 of each
-    reserved_at: float = field(default_factory=time.monotonic)
-    first_logprobs: list[m.TokenLogprob] | None = None
-    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
-    num_local_cached_tokens: int = 0  # prompt tokens whose KV this worker held already
-    dropped: set[int] = field(default_factory=set)  # choices not to decode (ended, aborted)
-
-    def going(self) -> list[int]:
-        """The choices that decode here, in order."""
-        members = range(self.choice, self.choice + self.choices)
-        return [c for c in members if c not in self.dropped]
-
-    def one(self, choice: int) -> Choice:
-        """Choice ``choice`` of these on its own, as it runs."""
-        return Choice(
-            self.request_id, choice, self.prompt_token_ids, self.sampling, self.stream_address
-        )
 
 
 class DecodeWorker:
@@ -109,14 +79,7 @@ class DecodeWorker:
             self.outbox.to_coordinator(self._reserved(msg, [], "worker is draining"))
             return
         key = engine_key(msg.request_id, msg.choice)
-        choice = Choice(
-            msg.request_id,
-            msg.choice,
-            msg.prompt_token_ids,
-            msg.sampling,
-            msg.stream_address,
-            max(msg.choices, 1),
-        )
+        choice = Choice.of(msg)
         try:
             self.engine.check_prompt(msg.prompt_token_ids, msg.sampling)
             # leading blocks this worker's prefix cache holds are shared, not moved again
@@ -180,14 +143,7 @@ class DecodeWorker:
     def _run_locally(self, msg: m.PrefillJob) -> None:
         """No transfer: the prompt runs here, once for all its choices, each forked from it
         (engine/fork.py); or one choice continues after the tokens it streamed elsewhere."""
-        choice = Choice(
-            msg.request_id,
-            msg.choice,
-            msg.prompt_token_ids,
-            msg.sampling,
-            msg.stream_address,
-            max(msg.choices, 1),
-        )
+        choice = Choice.of(msg)
         if self.draining:
             self._fail(choice, 503, "worker is draining")
             return
@@ -221,7 +177,7 @@ class DecodeWorker:
                     c.dropped.add(choice)
                 if choice in (None, c.choice) or not c.going():
                     self._drop_pending(key)
-        for key in [k for k, c in self.running.items() if _matches(c, request_id, choice)]:
+        for key in [k for k, c in self.running.items() if c.matches(request_id, choice)]:
             del self.running[key]
             self.engine.abort(key)
 
@@ -363,7 +319,3 @@ class DecodeWorker:
     @property
     def queued_prompt_tokens(self) -> int:
         return self.engine.queued_prompt_tokens
-
-
-def _matches(c: Choice, request_id: str, choice: int | None) -> bool:
-    return c.request_id == request_id and (choice is None or c.choice == choice)
