@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.kvtransfer import common
 from pdserve.kvtransfer import gpu_wire as w
+from pdserve.kvtransfer import table
 from pdserve.kvtransfer.base import (
     KVLayout,
     KVPoll,
@@ -50,7 +50,7 @@ class Incoming:
     keep: Any = None
 
 
-class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
+class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
     backend = "gpu"
     wait_on_release = False  # cuda_ipc: a granted copy writes our blocks from another process
 
@@ -172,7 +172,7 @@ class GpuKVReceiver(common.TableBackedReceiver, KVReceiver):
             entry = self._table.get(rid)
             if entry is None or entry.state is not KVPoll.PENDING:
                 why = "not expected" if entry is None else f"already {entry.state.value}"
-            elif not common.secret_matches(entry, begin.secret):
+            elif not table.secret_matches(entry, begin.secret):
                 why = "came without its transfer secret"
             elif entry.block_ids != begin.dst_block_ids:
                 why = "destination blocks differ from the reserved ones"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.kvtransfer import common
+from pdserve.kvtransfer import common, table
 from pdserve.kvtransfer import gpu_wire as w
 from pdserve.kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, TransferSpec
 from pdserve.kvtransfer.faults import FaultPlan
@@ -84,7 +84,7 @@ class Flight:
     keep: Any = None  # staging buffers alive until the event completes
 
 
-class GpuKVSender(QueuedSender, common.TableBacked, KVSender):
+class GpuKVSender(QueuedSender, table.TableBacked, KVSender):
     backend = "gpu"
 
     def __init__(
@@ -97,7 +97,7 @@ class GpuKVSender(QueuedSender, common.TableBacked, KVSender):
         w.require(self.status(), self.backend)
         self.checksum = checksum
         self._digest = w.DeviceChecksum()
-        self._table = common.TransferTable(f"{self.backend} sender")
+        self._table = table.TransferTable(f"{self.backend} sender")
         self._peers: dict[str, Peer] = {}  # sender thread only
         self._flights: dict[str, Flight] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kvtransfer import common
+from pdserve.kvtransfer import common, table
 from pdserve.kvtransfer.base import KVPoll, KVSender, TransferError, TransferSpec
 from pdserve.protocol.messages import KVHeader, ProtocolError, encode
 
@@ -140,11 +140,11 @@ class _Outgoing:
 _Job = tuple[TransferSpec, list[torch.Tensor]]
 
 
-class UcxKVSender(common.TableBacked, KVSender):
+class UcxKVSender(table.TableBacked, KVSender):
     def __init__(self, *, checksum: bool = False) -> None:
         self.checksum = checksum
         self._ucx = UcxWorker()
-        self._table = common.TransferTable("ucx sender")
+        self._table = table.TransferTable("ucx sender")
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-ucx-sender", daemon=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kvtransfer import common
+from pdserve.kvtransfer import common, table
 from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, KVReceiver
 from pdserve.kvtransfer.ucx_backend import (
     BUSY_SLEEP_S,
@@ -41,7 +41,7 @@ _MAX_LAYERS = 1 << 16
 @dataclass
 class _Incoming:
     header: KVHeader
-    entry: common.Entry | None  # None: not expected, every layer goes to a sink
+    entry: table.Entry | None  # None: not expected, every layer goes to a sink
     staged: list[torch.Tensor] | None  # uint8 [layer nbytes] per layer; None if rejected at once
     deadline: float
     reqs: list[Any] = field(default_factory=list)  # per layer: None until its message is probed
@@ -53,7 +53,7 @@ class _Incoming:
         return self.staged is None or self.problem is not None
 
 
-class UcxKVReceiver(common.TableBackedReceiver, KVReceiver):
+class UcxKVReceiver(table.TableBackedReceiver, KVReceiver):
     def __init__(
         self,
         kv_layers: list[torch.Tensor],
@@ -136,7 +136,7 @@ class UcxKVReceiver(common.TableBackedReceiver, KVReceiver):
         rid = header.request_id
         with self._table.lock:
             entry = self._table.get(rid)
-            if entry is not None and not common.secret_matches(entry, header.secret):
+            if entry is not None and not table.secret_matches(entry, header.secret):
                 # not the sender the reservation was made for: its layers go to the sink and
                 # the reservation stays PENDING for the real one
                 log.warning("ucx receiver: draining a transfer for %r without its secret", rid)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from pdserve.kvtransfer import common
+from pdserve.kvtransfer import common, table
 from pdserve.kvtransfer.base import (
     KVPoll,
     KVReceiver,
@@ -50,7 +50,7 @@ class _Job:
     not_before: float = 0.0  # monotonic time it may leave (delay fault)
 
 
-class ZmqKVSender(QueuedSender, common.TableBacked, KVSender):
+class ZmqKVSender(QueuedSender, table.TableBacked, KVSender):
     def __init__(
         self,
         *,
@@ -59,7 +59,7 @@ class ZmqKVSender(QueuedSender, common.TableBacked, KVSender):
         fault: FaultPlan | None = None,
     ) -> None:
         self.checksum = checksum
-        self._table = common.TransferTable("zmq sender")
+        self._table = table.TransferTable("zmq sender")
         self._start_thread("kv-zmq-sender", self._run, ctx, fault)
 
     def send(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> None:
@@ -151,7 +151,7 @@ def _faulty(job: _Job, layers: list[memoryview]) -> list:
     return layers
 
 
-class ZmqKVReceiver(common.TableBackedReceiver, KVReceiver):
+class ZmqKVReceiver(table.TableBackedReceiver, KVReceiver):
     def __init__(
         self,
         kv_layers: list[torch.Tensor],
@@ -206,7 +206,7 @@ class ZmqKVReceiver(common.TableBackedReceiver, KVReceiver):
                 state = "unknown" if entry is None else entry.state.value
                 log.warning("zmq receiver: dropped a transfer for %s request %r", state, rid)
                 return
-            if not common.secret_matches(entry, header.secret):
+            if not table.secret_matches(entry, header.secret):
                 log.warning("zmq receiver: dropped a transfer for %r without its secret", rid)
                 return
             self._table.advance(rid, KVPoll.TRANSFERRING)
