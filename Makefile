@@ -6,10 +6,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
+# Debian packages the tests use for real (command:package): a C compiler for the CPU kernel and
+# torch.compile, iproute2 for the network-namespace test. Installed when a command is missing.
+SYSTEM_TOOLS := cc:gcc ip:iproute2
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv test lint serve clean
 
 $(STAMP): pyproject.toml
+	@missing=""; for t in $(SYSTEM_TOOLS); do \
+	  command -v "$${t%%:*}" >/dev/null || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"

@@ -22,11 +22,14 @@ def make_engine(
     max_num_batched_tokens: int = 2048,
     prefix_caching: bool = True,
     dtype: str = "float32",
+    **engine: object,
 ) -> LLMEngine:
+    """An engine on ``path``; ``engine`` passes other EngineConfig fields (cpu_linear, ...)."""
     return LLMEngine(
         EngineConfig(
             model=str(path),
             dtype=dtype,
+            **engine,  # type: ignore[arg-type]
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,
@@ -45,7 +48,7 @@ def prompts(vocab_size: int, lengths: list[int] = PROMPT_LENGTHS, seed: int = 0)
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+    return SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **kw}, max_tokens=max_tokens)
 
 
 @functools.cache

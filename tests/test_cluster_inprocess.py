@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
 from pdserve.protocol import messages as m
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
@@ -45,7 +46,8 @@ def test_greedy_through_the_cluster_equals_transformers(cluster_factory, tiny_di
 
 
 def test_ucx_transfer(cluster_factory, tiny_dir) -> None:
-    pytest.importorskip("ucxx")
+    reason = ucx_unavailable_reason()
+    assert reason is None, reason  # `make test` installs ucxx
     cluster = cluster_factory(backend="ucx")
     batch = prompts(512, [5, 30], seed=3)
     for i, p in enumerate(batch):

@@ -14,7 +14,17 @@ from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend, c
 from pdserve.engine.attention.cpu_kernel import KernelPlan, build, find_compiler, load_kernel
 
 CPU = torch.device("cpu")
-needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def kernel() -> object:
+    """The built kernel: `make test` installs a C compiler, so a failed build fails here."""
+    k = load_kernel()
+    assert k is not None, f"the CPU decode kernel did not build (compiler: {find_compiler()})"
+    return k
+
+
+needs_kernel = pytest.mark.usefixtures("kernel")
 
 
 def make_step(query_lens, seq_lens, heads, kv_heads, dim, bs, dtype=torch.float32, seed=0):

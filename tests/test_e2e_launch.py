@@ -84,7 +84,11 @@ def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs, tmp_path) ->
         assert r.json()["usage"]["completion_tokens"] == 5
     r = httpx.post(f"{url}/v1/completions", json={"model": "gamma", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    # every role's command line names it, so operators can find and signal it
-    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
-    for role in ("coordinator", "prefill", "decode", "gateway"):
-        assert f"pdserve {role}" in ps
+    # each script execs its role, whose command line names it (operators find and signal
+    # it by that): read the command lines of the very processes started here
+    roles = ("coordinator", "prefill", "decode", "decode", "gateway")
+    for proc, role in zip(procs, roles, strict=True):
+        assert proc.poll() is None, f"{role} exited"
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        at = next(i for i, a in enumerate(argv) if a.endswith(b"/pdserve"))  # the console script
+        assert argv[at + 1] == role.encode(), argv

@@ -140,8 +140,13 @@ def test_sigterm_drains_streams_in_flight(tiny_dir) -> None:
     t.start()
     assert started.wait(30)
     c.proc.send_signal(signal.SIGTERM)
-    t.join(60)
+    t.join(180)  # a hang bound only
+    assert not t.is_alive()
     output = c.stop()
+    # the stream was in flight when the signal came, and the drain waited for it
+    assert "SIGTERM: draining 1 request(s) in flight" in output, output
+    assert "drained: no request in flight; shutting down" in output, output
+    assert "drain timeout" not in output, output
     assert events[-1] == "[DONE]"
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] == 400, output

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from pdserve.engine import make_model as mm
 from pdserve.engine.make_model import default_model_dir, make_model
 from pdserve.engine.make_tokenizer import train_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("llama", "qwen2", "qwen3")

@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 from pdserve.engine.make_model import make_model
 from pdserve.engine.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("llama", "qwen2", "qwen3")

@@ -17,8 +17,6 @@ from pdserve.engine.make_model import make_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.backend import ModelInfo
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.openai_models import ChatCompletionRequest
-from pdserve.gateway.tools.constraint import tool_choice_constraint
 from tests.gateway_util import FakeBackend, Script, Served, serving_config
 
 MODELS = [ModelInfo(name, f"/models/{name}", max_model_len=2048) for name in ("hermes", "llama3")]
@@ -212,14 +210,40 @@ def test_constrained_output_becomes_tool_calls(served: Served, toks: dict[str, T
 
 
 def test_constraint_reaches_the_worker(served: Served, toks: dict[str, Tokenizer]) -> None:
-    """Needs the lead's wiring of ``tool_choice_constraint`` into the sampling parameters."""
+    """The sampling parameters the worker gets carry the JSON schema of the tool choice,
+    written out here by hand (vLLM's form, not the product's function). That the worker
+    then holds the output to it is seen in test_tools_e2e: a random model's named and
+    required calls validate."""
+
+    def call(name: str, parameters: dict) -> dict:
+        return {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    required = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": [call("get_weather", weather), call("now", {"type": "object"})]},
+    }
     api = client(served.url)
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel, want in (
+        ("required", None, required),
+        ("required", False, {**required, "maxItems": 1}),
+        (named, None, weather),
+    ):
         served.backend.reset(script(toks["hermes"], "[]"))
-        api.chat.completions.create(model="hermes", messages=ASK, tools=TOOLS, tool_choice=choice)
-        body = {"model": "hermes", "messages": ASK, "tools": TOOLS, "tool_choice": choice}
-        want = tool_choice_constraint(ChatCompletionRequest.model_validate(body))
-        assert served.backend.submitted[0].sampling.structured == want
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        api.chat.completions.create(
+            model="hermes", messages=ASK, tools=TOOLS, tool_choice=choice, **extra
+        )
+        [sent] = served.backend.submitted
+        assert sent.sampling.structured.kind == "json"
+        assert json.loads(sent.sampling.structured.spec) == want
 
 
 @pytest.mark.parametrize(
