@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.coordinator.registry import WorkerRegistry
 from pdserve.protocol import messages as m
+from pdserve.protocol.blocks import blocks_for
 
 
 def too_big(registry: WorkerRegistry, req: m.Generate) -> str | None:
@@ -18,7 +19,7 @@ def too_big(registry: WorkerRegistry, req: m.Generate) -> str | None:
             f"({req.sampling.max_tokens}) exceeds the model's context length of {max_len} tokens"
         )
     blocks, block_size = registry.decode_capacity(req.model)
-    if blocks and -(-tokens // block_size) > blocks:
+    if blocks and blocks_for(tokens, block_size) > blocks:
         return (
             f"the prompt plus max_tokens needs {tokens} tokens of KV cache, more than the "
             f"{blocks * block_size} the largest decode worker holds"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.coordinator.routes import Route, RouteTable
 from pdserve.protocol import messages as m
+from pdserve.protocol.blocks import resume_blocks
 
 if TYPE_CHECKING:
     from pdserve.coordinator.coordinator import CoordinatorOutbox
@@ -70,7 +71,7 @@ class LocalPrefill:
         and decodes on (no transfer)."""
         choice = req.resume_choice
         bs = self._block_size(req.model)
-        need = -(-(len(req.prompt_token_ids) + len(req.resume_token_ids) + 1) // bs)
+        need = resume_blocks(len(req.prompt_token_ids), len(req.resume_token_ids), bs)
         worker = self.placement.pick_decode(req.model, need, ())
         if worker is None:
             self._error_to(req, 503, "no decode worker can take over this request")

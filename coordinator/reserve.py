@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.coordinator.routes import Key, Route, RouteTable
 from pdserve.protocol import messages as m
+from pdserve.protocol.blocks import fork_blocks
 
 if TYPE_CHECKING:
     from pdserve.coordinator.placement import Placement
@@ -37,8 +38,7 @@ class DecodeReservation:
     def _blocks_for(self, req: m.Generate, choices: int) -> int:
         """Decode blocks ``choices`` forked choices start with: the prompt's and token 0's,
         and one more each past the first (engine/fork.py ``fork_blocks_needed``)."""
-        bs = self._block_size(req.model)
-        return -(-(len(req.prompt_token_ids) + 1) // bs) + choices - 1
+        return fork_blocks(len(req.prompt_token_ids), choices, self._block_size(req.model))
 
     def _reserve(
         self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.protocol.blocks import blocks_for
+
 # the coordinator hashes prompts the same way to route them (coordinator/kv_index.py)
 from pdserve.protocol.prefix import block_hashes as block_hashes
 from pdserve.protocol.prefix import hash_block as hash_block
@@ -79,7 +81,7 @@ class BlockManager:
         return len(self.cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------
     def find_cached_prefix(self, seq: BlockOwner) -> list[int]:

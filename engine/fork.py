@@ -30,6 +30,7 @@ import torch
 
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.blocks import fork_blocks
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
@@ -151,7 +152,7 @@ class ForkMixin:
     def fork_blocks_needed(self: LLMEngine, num_prompt_tokens: int, n: int) -> int:
         """Blocks ``n`` choices of a received prompt start with: the prompt's and token 0's
         slot for the first, one more each for the others (their tail copy or token 0's)."""
-        return self.block_manager.blocks_needed(num_prompt_tokens + 1) + n - 1
+        return fork_blocks(num_prompt_tokens, n, self.block_manager.block_size)
 
     def add_prefilled_n(
         self: LLMEngine,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.grammar import advance
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol.blocks import fork_blocks
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
@@ -46,7 +47,7 @@ class KVHandoffMixin:
             raise ValueError(f"request id {request_id!r} already has blocks here")
         if choices < 1:
             raise ValueError(f"choices must be at least 1, got {choices}")
-        n = self.block_manager.blocks_needed(num_tokens) + choices - 1
+        n = fork_blocks(num_tokens - 1, choices, self.block_manager.block_size)
         ids = self.block_manager.allocate_blocks(n)
         self.reserved[request_id] = ids
         return ids
