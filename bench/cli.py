@@ -23,7 +23,13 @@ from pdserve.bench.client import ENDPOINTS
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    t = parser.add_argument_group("target (any OpenAI-compatible server)")
+    _add_target_args(parser.add_argument_group("target (any OpenAI-compatible server)"))
+    _add_workload_args(parser.add_argument_group("workload"))
+    _add_arrival_args(parser.add_argument_group("arrivals"))
+    _add_output_args(parser.add_argument_group("metrics and output"))
+
+
+def _add_target_args(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--base-url", default="http://127.0.0.1:8000")
     t.add_argument(
         "--endpoint",
@@ -37,7 +43,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--temperature", type=float, default=None)
     t.add_argument("--request-timeout", type=float, default=3600.0, help="seconds")
 
-    w = parser.add_argument_group("workload")
+
+def _add_workload_args(w: argparse._ArgumentGroup) -> None:
     w.add_argument(
         "--dataset",
         default="random",
@@ -74,7 +81,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--ignore-eos", action="store_true")
     w.add_argument("--seed", type=int, default=0)
 
-    a = parser.add_argument_group("arrivals")
+
+def _add_arrival_args(a: argparse._ArgumentGroup) -> None:
     a.add_argument(
         "--request-rate", default="inf", help="req/s, Poisson; 'inf'; or a list: 1,2,4,8"
     )
@@ -89,7 +97,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
     a.add_argument("--warmup", type=int, default=0, help="requests sent first, not measured")
 
-    m = parser.add_argument_group("metrics and output")
+
+def _add_output_args(m: argparse._ArgumentGroup) -> None:
     m.add_argument(
         "--slo", "--goodput", nargs="+", default=None, metavar="NAME:MS", help="ttft tpot e2el"
     )

@@ -1,80 +1,64 @@
-"""The routes on which one worker runs both phases, no transfer (``Coordinator`` mixes it in):
-conditional disaggregation (a short uncached prompt, or a busy prefill pool, goes to its decode
-worker to prefill itself), a colocated pool, and a choice resuming on another worker after its
-own died (prompt + tokens so far recomputed there)."""
+"""The routes on which one worker runs both phases, no transfer: conditional disaggregation (a
+short uncached prompt, or a busy prefill pool, goes to its decode worker to prefill itself: the
+``ConditionalDisaggPolicy`` decides), a colocated pool, and a choice resuming on another worker
+after its own died (prompt + tokens so far recomputed there)."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from typing import TYPE_CHECKING
 
-from pdserve.coordinator.routes import Route, RouteTable
+from pdserve.coordinator.disagg_policy import ConditionalDisaggPolicy, LocalReason
+from pdserve.coordinator.placement import Placement
+from pdserve.coordinator.routes import Route, RouteState
+from pdserve.coordinator.shared import Shared
 from pdserve.protocol import messages as m
-from pdserve.protocol.blocks import resume_blocks
-
-if TYPE_CHECKING:
-    from pdserve.coordinator.coordinator import CoordinatorOutbox
-    from pdserve.coordinator.placement import Placement
-    from pdserve.coordinator.registry import WorkerRegistry
+from pdserve.protocol.blocks import fork_blocks, resume_blocks
 
 logger = logging.getLogger(__name__)
 
 
 class LocalPrefill:
-    outbox: CoordinatorOutbox
-    registry: WorkerRegistry
-    placement: Placement
-    routes: RouteTable
-    decisions: Counter[str]
-    max_local_prefill_tokens: int
-    max_prefill_queue_tokens: int
+    """Owns the ``local`` routes: which requests one worker prefills and decodes itself, the
+    ``PrefillJob`` with no destination sent there, and the ``Accepted`` for each choice."""
 
-    if TYPE_CHECKING:  # provided by Coordinator or another of its mixins
+    def __init__(
+        self, shared: Shared, placement: Placement, policy: ConditionalDisaggPolicy
+    ) -> None:
+        self.shared = shared
+        self.placement = placement
+        self.policy = policy
 
-        def _send(self, worker_id: str, msg: m.Message) -> None: ...
-        def _error_to(self, req: m.Generate, status: int, message: str) -> None: ...
-        def _block_size(self, model: str) -> int: ...
-        def _silent(self) -> set[str]: ...
-
-    def _prefill_on_decode(self, req: m.Generate) -> bool:
-        """Conditional disaggregation: whether the request went to a decode worker to prefill
-        itself (short prompt, or a busy prefill pool) rather than through a transfer."""
-        reason = self._local_reason(req)
-        if reason is None:
-            self.decisions["disaggregated"] += req.n
-            return False
-        need = self._blocks_for(req, req.n)
-        worker = self.placement.pick_decode(req.model, need, self._silent(), req.prompt_token_ids)
-        if worker is None:  # no room anywhere now: the usual path queues it
-            self.decisions["disaggregated"] += req.n
-            return False
-        self.decisions[reason] += req.n
-        self._run_local(req, worker.worker_id)
-        return True
-
-    def _local_reason(self, req: m.Generate) -> str | None:
-        if self.max_local_prefill_tokens > 0 and req.prompt_token_ids:
+    def prefill_on_decode(self, req: m.Generate) -> LocalReason | None:
+        """Conditional disaggregation: why the request went to a decode worker to prefill
+        itself rather than through a transfer; None when it did not (the policy says no, or
+        no decode worker has room now: the usual path queues it)."""
+        if not self.policy.enabled:
+            return None
+        shared, prompt = self.shared, req.prompt_token_ids
+        reason = self.policy.reason(
+            prompt_tokens=len(prompt),
             # the part of the prompt its decode worker would compute: a conversation's next
             # turn is short even when its history is long
-            hit = self.placement.decode_hit_tokens(req.model, req.prompt_token_ids)
-            if len(req.prompt_token_ids) - hit <= self.max_local_prefill_tokens:
-                return "local_short_prompt"
-        if self.max_prefill_queue_tokens > 0:
-            queued = self.registry.prefill_queue_tokens(req.model, self._silent())
-            if queued is not None and queued > self.max_prefill_queue_tokens:
-                return "local_prefill_busy"
-        return None
+            decode_cached_tokens=self.placement.decode_hit_tokens(req.model, prompt),
+            prefill_queue_tokens=shared.registry.prefill_queue_tokens(req.model, shared.avoid()),
+        )
+        if reason is None:
+            return None
+        need = fork_blocks(len(prompt), req.n, shared.registry.block_size(req.model))
+        worker = self.placement.pick_decode(req.model, need, shared.avoid(), prompt)
+        if worker is None:
+            return None
+        self._run_local(req, worker.worker_id)
+        return reason
 
-    def _resume(self, req: m.Generate) -> None:
+    def resume(self, req: m.Generate, choice: int) -> None:
         """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far
         and decodes on (no transfer)."""
-        choice = req.resume_choice
-        bs = self._block_size(req.model)
-        need = resume_blocks(len(req.prompt_token_ids), len(req.resume_token_ids), bs)
+        block_size = self.shared.registry.block_size(req.model)
+        need = resume_blocks(len(req.prompt_token_ids), len(req.resume_token_ids), block_size)
         worker = self.placement.pick_decode(req.model, need, ())
         if worker is None:
-            self._error_to(req, 503, "no decode worker can take over this request")
+            self.shared.error_to(req, 503, "no decode worker can take over this request")
             return
         logger.info(
             "request %s#%d resumes on %s after %d tokens",
@@ -85,10 +69,11 @@ class LocalPrefill:
         )
         self._run_local(req, worker.worker_id, choice, list(req.resume_token_ids))
 
-    def _run_colocated(self, req: m.Generate) -> None:
-        worker = self.registry.pick_colocated(req.model, len(req.prompt_token_ids))
+    def run_colocated(self, req: m.Generate) -> None:
+        """A pool whose workers all run both phases: the least busy one takes the request."""
+        worker = self.shared.registry.pick_colocated(req.model, len(req.prompt_token_ids))
         if worker is None:
-            self._error_to(req, 503, f"model {req.model} has no worker")
+            self.shared.error_to(req, 503, f"model {req.model} has no worker")
             return
         self._run_local(req, worker.worker_id)
 
@@ -97,21 +82,24 @@ class LocalPrefill:
     ) -> None:
         """One worker runs both phases (no transfer): of every choice, prefilled once and
         forked there; or, ``generated`` given, of ``choice`` alone after those tokens."""
+        shared = self.shared
         members = [choice] if generated is not None else list(range(req.n))
         for c in members:
-            self.routes.add(Route(req, c, "local", decode=worker_id, prefill=worker_id))
+            route = Route(req, c, RouteState.LOCAL, decode=worker_id, prefill=worker_id)
+            shared.routes.add(route)
             if generated is None:  # a resumed choice's gateway knows it is accepted
-                self.outbox.to_gateway(req.stream_address, m.Accepted(req.request_id, c))
+                accepted = m.Accepted(request_id=req.request_id, choice=c)
+                shared.outbox.to_gateway(req.stream_address, accepted)
         job = m.PrefillJob(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling,
-            req.n,
-            [],
-            "",
-            req.stream_address,
-            choice,
-            generated or [],
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            n=req.n,
+            dst_block_ids=[],
+            transfer_address="",
+            stream_address=req.stream_address,
+            choice=choice,
+            generated_token_ids=generated or [],
             choices=len(members),
         )
-        self._send(worker_id, job)
+        shared.send(worker_id, job)

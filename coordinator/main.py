@@ -11,12 +11,12 @@ import zmq
 
 from pdserve import envs
 from pdserve.coordinator.coordinator import Coordinator
-from pdserve.coordinator.placement import HOT_SPOT_TOKENS, ROUTING_MODES
+from pdserve.coordinator.placement_policy import HOT_SPOT_TOKENS, ROUTING_MODES
 from pdserve.coordinator.trust import RateLimitedLog
-from pdserve.protocol import security
 from pdserve.protocol.codec import Message
-from pdserve.protocol.loop import PushOutbox, serve, stop_on_signals
-from pdserve.protocol.sockets import bound_address, make_socket
+from pdserve.runtime import security
+from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
+from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class _Outbox(PushOutbox):
     ``max_gateways`` of them, each closed once silent for ``GATEWAY_IDLE_S``, so a flood of
     ``GatewayHello`` with made-up addresses cannot use up this process's sockets."""
 
-    def __init__(self, ctx: zmq.Context, max_gateways: int = 64) -> None:
+    def __init__(self, ctx: zmq.SyncContext, max_gateways: int = 64) -> None:
         super().__init__(ctx)
         self.worker_addresses: dict[str, str] = {}
         self.max_gateways = max_gateways

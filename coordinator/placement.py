@@ -1,30 +1,14 @@
-"""Which worker of a pool takes a choice: by KV cache and load (``kv``), by load alone
-(``load``), or in turn (``round-robin``); the mode is ``--routing``.
+"""Placing a choice on a worker of its model's pool: ``Placement`` finds the workers that can
+take it, what each holds of the prompt (``coordinator.kv_index``), asks the policy
+(``coordinator.placement_policy``) and acts on its pick.
 
-Prefill cost of worker w for a prompt of n tokens (``kv``); the lowest wins, a tie goes to the
-shorter queue::
+Load between heartbeats is estimated here: a pick raises a prefill worker's queued prompt tokens
+by what it will compute, and lowers a decode worker's free blocks by what it reserves, until the
+worker's next heartbeat (or ``Reserved``) gives its own figures.
 
-    cost(w) = n - hit(w) * block_size    prompt tokens w must compute: its prefix cache holds
-                                         the first hit(w) blocks (coordinator.kv_index)
-            + queued(w)                  prompt tokens w has still to compute before this one
-
-Hot-spot guard: a popular prefix cached on one worker draws every request that shares it for as
-long as its hit outweighs that worker's queue. When the winner's queue is more than
-``hot_spot_tokens`` longer than the shortest one, the shortest queue takes the request instead
-(and caches the prefix too, so the next ones spread by cost alone).
-
-Decode cost, the lowest wins: ``(blocks to move, -free blocks, running)``, where blocks to
-move is ``need - hit(w)``: a decode worker reserves the prompt blocks its own cache holds
-instead of receiving them (``engine.reserve_prompt``), so a conversation's next turn goes back
-to the worker holding its history. Guard: when that worker runs more than
-``DECODE_HOT_SPOT_STREAMS`` streams beyond the least busy one, load decides instead.
-
-Prefill placements by reason, in ``decisions`` (the coordinator adds them to its own in
-``pdserve_routing_decisions_total``): ``prefill_kv_hit`` (the winner holds some of the prompt),
-``prefill_kv_miss`` (it holds none: no worker does, or the ones that do are busier by more than
-their hit), ``prefill_hot_spot_guard``, ``prefill_load``, ``prefill_round_robin``; decode
-placements by cache in ``decode_decisions``: ``decode_kv_hit``, ``decode_kv_miss``,
-``decode_hot_spot_guard``.
+Placements by reason, in ``decisions`` (prefill: ``PrefillReason``) and ``decode_decisions``
+(decode by cache: ``DecodeReason``); the coordinator adds them to its own in
+``pdserve_routing_decisions_total``.
 """
 
 from __future__ import annotations
@@ -32,33 +16,36 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
+from pdserve.coordinator.placement_policy import (
+    HOT_SPOT_TOKENS,
+    Candidate,
+    PlacementPolicy,
+    RoutingMode,
+)
 from pdserve.coordinator.registry import Worker, WorkerRegistry
 from pdserve.protocol.prefix import cacheable_hashes
 
-ROUTING_MODES = ("kv", "load", "round-robin")
-HOT_SPOT_TOKENS = 2048  # default guard: queued prompt tokens beyond the shortest queue
-DECODE_HOT_SPOT_STREAMS = 16  # decode guard: running streams beyond the least busy worker
-
 
 class Placement:
+    """Owns the pick of a prefill or a decode worker: the candidate pools, the load estimates a
+    pick changes, the worker picked last of each pool (``round-robin``) and the counts of
+    placements by reason. The decision itself is ``policy``'s."""
+
     def __init__(
         self,
         registry: WorkerRegistry,
-        mode: str = "kv",
+        mode: RoutingMode = RoutingMode.KV,
         hot_spot_tokens: int = HOT_SPOT_TOKENS,
     ) -> None:
-        if mode not in ROUTING_MODES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
-        if hot_spot_tokens < 0:
-            raise ValueError(
-                f"the hot-spot guard must be >= 0 tokens (0: off), got {hot_spot_tokens}"
-            )
         self.registry = registry
+        self.policy = PlacementPolicy(mode, hot_spot_tokens)
         self.decisions: Counter[str] = Counter()  # prefill placements by reason
         self.decode_decisions: Counter[str] = Counter()  # decode placements by cache
-        self.mode = mode
-        self.hot_spot_tokens = hot_spot_tokens
-        self._last: dict[tuple[str, str], str] = {}  # (model, pool) -> last worker in turn
+        self._last: dict[tuple[str, str], str] = {}  # (model, pool) -> last worker picked
+
+    @property
+    def mode(self) -> RoutingMode:
+        return self.policy.mode
 
     def pick_prefill(self, model: str, prompt: list[int], avoid: Collection[str]) -> Worker | None:
         """A prefill worker for ``prompt`` (none of ``avoid``); its queue estimate grows by
@@ -73,14 +60,25 @@ class Placement:
         ]
         if not pool:
             return None
-        if self.mode == "kv":
-            best, reason, compute = self._by_cache(prompt, pool)
-        else:
-            turn = self.mode == "round-robin"
-            best = self._in_turn(model, "prefill", pool) if turn else _least_queued(pool)
-            reason, compute = self.mode.replace("-", "_"), len(prompt)
-        self.decisions[f"prefill_{reason}"] += 1
-        best.queued_prompt_tokens += compute
+        block_size = pool[0].info.layout.block_size
+        kv = self.registry.kv
+        # ``kv`` counts a miss even with nothing cached anywhere (no hashing then)
+        by_cache = self.mode is RoutingMode.KV and bool(kv.holders)
+        hits = self._hits(prompt, pool) if by_cache else {}
+        candidates = [
+            Candidate(
+                w.worker_id,
+                hit_blocks=hits.get(w.worker_id, 0),
+                queued_tokens=w.queued_prompt_tokens,
+            )
+            for w in pool
+        ]
+        last = self._last.get((model, "prefill"))
+        pick = self.policy.prefill(len(prompt), block_size, candidates, last)
+        self._last[(model, "prefill")] = pick.worker_id
+        self.decisions[pick.reason.value] += 1
+        best = self.registry.workers[pick.worker_id]
+        best.queued_prompt_tokens += pick.compute
         return best
 
     def pick_decode(
@@ -104,19 +102,32 @@ class Placement:
         ]
         if not pool:
             return None
-        if self.mode == "round-robin":
-            best = self._in_turn(model, "decode", pool)
-        elif self.mode == "kv" and prompt is not None and self.registry.kv.holders:
-            best = self._decode_by_cache(prompt, need_blocks, pool)
-        else:
-            best = min(pool, key=lambda w: decode_cost(w, blocks_to_move=need_blocks))
+        by_cache = (
+            self.mode is RoutingMode.KV and prompt is not None and bool(self.registry.kv.holders)
+        )
+        hits = self._hits(prompt, pool) if by_cache and prompt is not None else {}
+        candidates = [
+            Candidate(
+                w.worker_id,
+                hit_blocks=hits.get(w.worker_id, 0),
+                free_blocks=w.free_blocks,
+                running=w.running,
+            )
+            for w in pool
+        ]
+        last = self._last.get((model, "decode"))
+        pick = self.policy.decode(need_blocks, candidates, last, cache_known=by_cache)
+        self._last[(model, "decode")] = pick.worker_id
+        if pick.reason is not None:
+            self.decode_decisions[pick.reason.value] += 1
+        best = self.registry.workers[pick.worker_id]
         best.free_blocks -= need_blocks
         return best
 
     def decode_hit_tokens(self, model: str, prompt: list[int]) -> int:
         """Leading tokens of ``prompt`` the decode worker holding most of it has cached
         (``kv`` mode: the one ``pick_decode`` favours; 0 in the others, blind to caches)."""
-        if self.mode != "kv" or not self.registry.kv.holders:
+        if self.mode is not RoutingMode.KV or not self.registry.kv.holders:
             return 0
         pool = [
             w
@@ -125,59 +136,10 @@ class Placement:
         ]
         if not pool:
             return 0
-        block_size = pool[0].info.layout.block_size
-        hashes = cacheable_hashes(prompt, block_size)
-        hits = self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])
-        return max(hits.values(), default=0) * block_size
+        hits = self._hits(prompt, pool)
+        return max(hits.values(), default=0) * pool[0].info.layout.block_size
 
-    def _decode_by_cache(self, prompt: list[int], need: int, pool: list[Worker]) -> Worker:
+    def _hits(self, prompt: list[int], pool: list[Worker]) -> dict[str, int]:
+        """Each worker's run of the prompt's leading blocks its prefix cache holds."""
         hashes = cacheable_hashes(prompt, pool[0].info.layout.block_size)
-        hits = self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])
-        best = min(pool, key=lambda w: decode_cost(w, need - hits[w.worker_id]))
-        if hits[best.worker_id] == 0:
-            self.decode_decisions["decode_kv_miss"] += 1
-            return best
-        idle = min(pool, key=lambda w: decode_cost(w, need))
-        if best.running > idle.running + DECODE_HOT_SPOT_STREAMS:
-            self.decode_decisions["decode_hot_spot_guard"] += 1
-            return idle
-        self.decode_decisions["decode_kv_hit"] += 1
-        return best
-
-    def _by_cache(self, prompt: list[int], pool: list[Worker]) -> tuple[Worker, str, int]:
-        """(worker, reason, prompt tokens it will compute) by the cost in the module doc."""
-        block_size = pool[0].info.layout.block_size
-        kv = self.registry.kv
-        hashes = cacheable_hashes(prompt, block_size) if kv.holders else []
-        hits = kv.prefix_blocks(hashes, [w.worker_id for w in pool])
-
-        def compute(w: Worker) -> int:
-            return len(prompt) - hits[w.worker_id] * block_size
-
-        best = min(
-            pool, key=lambda w: (compute(w) + w.queued_prompt_tokens, w.queued_prompt_tokens)
-        )
-        if hits[best.worker_id] == 0:
-            return best, "kv_miss", compute(best)
-        shortest = _least_queued(pool)
-        excess = best.queued_prompt_tokens - shortest.queued_prompt_tokens
-        if self.hot_spot_tokens and excess > self.hot_spot_tokens:
-            return shortest, "hot_spot_guard", compute(shortest)
-        return best, "kv_hit", compute(best)
-
-    def _in_turn(self, model: str, pool_name: str, pool: list[Worker]) -> Worker:
-        """The worker after the last one picked, in id order (wrapping round)."""
-        ids = sorted(w.worker_id for w in pool)
-        last = self._last.get((model, pool_name))
-        wid = next((i for i in ids if last is None or i > last), ids[0])
-        self._last[(model, pool_name)] = wid
-        return next(w for w in pool if w.worker_id == wid)
-
-
-def decode_cost(w: Worker, blocks_to_move: int) -> tuple[int, int, int]:
-    """Lower is better: KV blocks to move into ``w``, then load (free blocks, running)."""
-    return blocks_to_move, -w.free_blocks, w.running
-
-
-def _least_queued(pool: list[Worker]) -> Worker:
-    return min(pool, key=lambda w: w.queued_prompt_tokens)
+        return self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])

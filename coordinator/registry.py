@@ -30,6 +30,9 @@ WORKER_MESSAGES = (m.Heartbeat, m.Reserved, m.Finished, m.KVEvents)
 
 @dataclass
 class Worker:
+    """One registered worker: what it registered, and its load as last reported (or
+    estimated since)."""
+
     info: m.Register
     last_seen: float
     free_blocks: int
@@ -55,6 +58,10 @@ class Worker:
 
 @dataclass
 class WorkerRegistry:
+    """Owns the workers the coordinator knows (by id), the key each registered with, and the
+    index of what their prefix caches hold (``kv``): who may say what (``admit``), who is
+    alive (``expire``), and the figures placement and admission read."""
+
     heartbeat_timeout_s: float = 5.0
     workers: dict[str, Worker] = field(default_factory=dict)
     # worker id -> the CURVE identity (z85 public key) that registered it; "" when insecure
@@ -210,26 +217,33 @@ class WorkerRegistry:
         models: dict[str, m.ServedModel] = {}
         for w in self.workers.values():
             name = w.info.model
-            models.setdefault(
-                name, m.ServedModel(name, w.info.model_root, w.info.max_model_len, self.ready(name))
-            )
+            if name not in models:
+                models[name] = m.ServedModel(
+                    name=name,
+                    root=w.info.model_root,
+                    max_model_len=w.info.max_model_len,
+                    ready=self.ready(name),
+                )
         workers = [
             m.WorkerStatus(
-                w.info.role,
-                w.worker_id,
-                w.info.model,
-                w.used_blocks,
-                w.info.num_blocks,
-                w.running,
-                w.waiting,
-                w.counters,
+                role=w.info.role,
+                worker_id=w.worker_id,
+                model=w.info.model,
+                used_blocks=w.used_blocks,
+                total_blocks=w.info.num_blocks,
+                running=w.running,
+                waiting=w.waiting,
+                counters=w.counters,
             )
             for w in self.workers.values()
         ]
-        models_list = sorted(models.values(), key=lambda s: s.name)
-        return m.ClusterState(models_list, workers, self.instance_id)
+        return m.ClusterState(
+            models=sorted(models.values(), key=lambda s: s.name),
+            workers=workers,
+            coordinator_id=self.instance_id,
+        )
 
-    # ---- added for reservation answers and timeouts (coordinator.coordinator) --------------
+    # ---- figures for placement and admission ----------------------------------------------
     def prefill_queue_tokens(self, model: str, avoid: Collection[str]) -> int | None:
         """The shortest prefill queue (prompt tokens) of the model's answering prefill workers;
         None when it has none."""
@@ -239,6 +253,18 @@ class WorkerRegistry:
             if w.info.role == "prefill" and w.worker_id not in avoid
         ]
         return min(queues) if queues else None
+
+    def block_size(self, model: str) -> int:
+        """Tokens per KV block of ``model`` (every worker of a model has the same layout)."""
+        for w in self.workers.values():
+            if w.info.model == model:
+                return w.info.layout.block_size
+        raise LookupError(f"no worker serves {model}")
+
+    def max_model_len(self, model: str) -> int:
+        """The longest context a worker of ``model`` registered (0: none said)."""
+        lengths = [w.info.max_model_len for w in self.workers.values() if w.info.model == model]
+        return max(lengths, default=0)
 
     def decode_capacity(self, model: str) -> tuple[int, int]:
         """(blocks, block size) of the largest decode-capable worker of ``model``: what one

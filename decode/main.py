@@ -35,19 +35,22 @@ def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
 
     transport = make_receiver(
         args.transfer_backend,
-        ctx.engine.kv_layers,
+        ctx.engine.status.kv_layers,
         args.transfer_bind,
         require_checksum=args.kv_checksum,
         **ctx.transport_options,
     )
     worker = DecodeWorker(
-        ctx.engine,
-        transport,
-        ctx.worker_id,
-        ctx.outbox,
-        args.transfer_timeout,
-        args.kv_failure_policy,
+        engine=ctx.engine,
+        receiver=transport,
+        worker_id=ctx.worker_id,
+        outbox=ctx.outbox,
+        transfer_timeout_s=args.transfer_timeout,
+        kv_failure_policy=args.kv_failure_policy,
     )
     return RoleParts(
-        worker, transport, transport.address, wire_role="both" if args.colocated else "decode"
+        worker=worker,
+        transport=transport,
+        transfer_address=transport.address,
+        wire_role="both" if args.colocated else "decode",
     )

@@ -58,7 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.models.store import resolve_model
 
     model = resolve_model(args.model, args.dtype)
     return EngineConfig(

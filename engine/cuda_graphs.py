@@ -11,7 +11,7 @@ graph); the replay itself launches the whole forward at once. Steps with a prefi
 rows than the largest bucket, or ``enforce_eager`` run eagerly.
 
 The bucket and padding choices are plain functions (tested on CPU); ``CudaGraphRunner`` has
-NOT yet been run on a GPU (``bench/gpu.py`` measures the decode step on hardware).
+NOT yet been run on a GPU (``bench/micro/gpu.py`` measures the decode step on hardware).
 """
 
 from __future__ import annotations

@@ -2,6 +2,14 @@
 
 Every call to ``step`` schedules one batch (decode tokens and prefill chunks together), runs
 the model once, samples, and returns what each touched request produced in that step.
+
+The engine holds named parts, each owning one concern::
+
+    requests   engine/requests.py    the table of sequences by id, making and ending them
+    scheduler  engine/scheduler.py   the queues: waiting, running, waiting for remote KV
+    forks      engine/fork.py        a prompt computed once for its n choices
+    handoff    engine/kv_handoff.py  KV held for a transfer, reservations KV is written into
+    status     engine/status.py      what a worker reads: blocks, KV layers, load
 """
 
 from __future__ import annotations
@@ -15,14 +23,14 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.fork import ForkMixin
-from pdserve.engine.grammar import GrammarCache
-from pdserve.engine.kv_handoff import KVHandoffMixin
+from pdserve.engine.fork import Forks
+from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.requests import RequestTable
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.status import EngineStatusMixin
+from pdserve.engine.sequence import RequestId, Sequence
+from pdserve.engine.status import EngineStatus
 from pdserve.engine.step_budget import calibrate_step_budget
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.messages import TokenLogprob
@@ -35,7 +43,7 @@ logger = logging.getLogger(__name__)
 class RequestOutput:
     """What one request produced in one step (new tokens only) and whether it ended."""
 
-    request_id: str
+    request_id: RequestId
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
@@ -46,7 +54,9 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
-class LLMEngine(KVHandoffMixin, ForkMixin, EngineStatusMixin):
+class LLMEngine:
+    """One model, its KV cache and the requests on it; the work is in its parts."""
+
     def __init__(self, config: EngineConfig) -> None:
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -73,104 +83,63 @@ class LLMEngine(KVHandoffMixin, ForkMixin, EngineStatusMixin):
                 scheduler_config, max_num_batched_tokens=self.step_budget.tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
-        self.eos_token_ids = _eos_ids(config.model, self.model_config)
-        self._grammars: GrammarCache | None = None  # built on the first constrained request
-        self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
-        self.requests: dict[str, Sequence] = {}
+        eos_token_ids = _eos_ids(config.model, self.model_config)
+        self.sampler = Sampler(self.runner.device, config.seed, eos_token_ids)
+        self.requests = RequestTable(
+            config,
+            self.model_config,
+            self.max_model_len,
+            eos_token_ids,
+            self.scheduler,
+            self.sampler,
+        )
+        kv_cache = self.runner.kv_cache
+        self.forks = Forks(self.requests, self.scheduler, self.block_manager, kv_cache)
+        self.handoff = KVHandoff(self.requests, self.scheduler, self.block_manager, kv_cache)
+        self.status = EngineStatus(self.block_manager, kv_cache, self.scheduler)
         self._arrivals = itertools.count()
-        self._final_outputs: list[Sequence] = []
-        # disaggregation: KV kept past the end of a prefill-only request until it is sent,
-        # and blocks reserved for KV that another worker will push here
-        self.held: dict[str, Sequence] = {}
-        self.reserved: dict[str, list[int]] = {}
         # tokens computed in prompt chunks (recomputation included), since start (metrics)
         self.prefill_tokens_computed = 0
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_token_ids: list[int],
         params: SamplingParams,
         hold_kv: bool = False,
     ) -> None:
         """Queue a request; ``ValueError`` for a duplicate id, bad tokens or a too-long one.
 
-        ``hold_kv``: when it finishes, keep its blocks (``held_block_ids``) until ``release``;
-        a prefill worker runs prompts this way, with ``max_tokens=1``, then pushes the KV.
+        ``hold_kv``: when it finishes, keep its blocks (``handoff.held_block_ids``) until
+        ``handoff.release``; a prefill worker runs prompts this way, with ``max_tokens=1``,
+        then pushes the KV.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self.requests.new(request_id, prompt_token_ids, params)
         seq.hold_kv = hold_kv
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.requests.admit(seq)
 
-    def _new_sequence(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Sequence:
-        if request_id in self.requests or request_id in self.held:
-            raise ValueError(f"request id {request_id!r} is already running")
-        self.check_prompt(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
-        if params.seed is not None:
-            seq.generator = self.sampler.make_generator(params.seed)
-        if params.structured is not None:
-            seq.matcher = self.grammars.matcher(params.structured)
-        return seq
-
-    @property
-    def grammars(self) -> GrammarCache:
-        if self._grammars is None:
-            tokenizer = Tokenizer.from_dir(self.config.model)
-            self._grammars = GrammarCache(
-                tokenizer.to_json(), self.model_config.vocab_size, self.eos_token_ids
-            )
-        return self._grammars
-
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context length of {self.max_model_len} tokens"
-            )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens needs {total} tokens of KV cache, more than the "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size} this engine has"
-            )
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks (held and reserved ones too); a running
-        request's final output comes from the next step."""
-        if self.release(request_id) or self.cancel_reservation(request_id):
+    def abort(self, request_id: RequestId) -> bool:
+        """Stop a request and free whatever it holds: held KV, a reservation, or a live
+        sequence's blocks (its final output comes from the next step)."""
+        if self.handoff.release(request_id) or self.handoff.cancel_reservation(request_id):
             return True
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.live.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
-        seq.finish_reason = "abort"
+        self.requests.end(seq)
         if seq.choices is None:  # a prompt computed for n choices reports through them
-            self._final_outputs.append(seq)
-        self._abort_forked(seq)
+            self.requests.due.append(seq)
+        for other in self.forks.dropped_with(seq):
+            self.abort(other)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._final_outputs)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
+        return self.scheduler.has_unfinished() or bool(self.requests.due)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = [self._output(seq) for seq in self._final_outputs]
-        self._final_outputs.clear()
+        outputs = [self._output(seq) for seq in self.requests.take_due()]
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -182,12 +151,12 @@ class LLMEngine(KVHandoffMixin, ForkMixin, EngineStatusMixin):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         if inputs.sample_seqs:
-            seqs, logits = self._fork_rows(inputs.sample_seqs, logits)
+            seqs, logits = self.forks.rows(inputs.sample_seqs, logits)
             sampled = self.sampler(logits, seqs)
             for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                 self._append_token(seq, token, lp)
                 outputs.append(self._output(seq))
-            self._settle_forks(inputs.sample_seqs)
+            self.forks.settle(inputs.sample_seqs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
@@ -197,28 +166,9 @@ class LLMEngine(KVHandoffMixin, ForkMixin, EngineStatusMixin):
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             # cannot happen for a token sampled under the mask; never let it pass as "stop"
             logger.error("%s: constraint broken: %s", seq.request_id, seq.matcher.get_error())
-            self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
+            self.requests.end(seq)
             return
-        self._check_finish(seq, token)
-
-    def _check_finish(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-        if seq.finish_reason is None and (
-            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq, free=not seq.hold_kv)
-            if seq.hold_kv:
-                self.held[seq.request_id] = seq
+        self.requests.check_finish(seq, token)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         start = seq.num_returned_tokens
@@ -243,7 +193,7 @@ class LLMEngine(KVHandoffMixin, ForkMixin, EngineStatusMixin):
     ) -> list[RequestOutput]:
         """Run prompts to completion as one batch; one accumulated output per prompt."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
+        ids: list[RequestId] = [f"gen-{next(self._arrivals)}" for _ in prompts]
         results = {i: RequestOutput(i, []) for i in ids}
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(rid, prompt, p)

@@ -13,56 +13,72 @@ Each choice samples token 0 from the prompt's last logits with its own parameter
 gets the tokens a request of its own would. Afterwards the choices are plain sequences: an
 abort frees what one alone holds, a preempted one recomputes from its own tokens.
 
-colocated engine or prefill worker               decode worker
-add_request_n(pid, ids, prompt, params)          reserve(rid, P + 1, choices=n)
+colocated engine or prefill worker               decode worker (engine/kv_handoff.py)
+forks.add_request_n(pid, ids, prompt, params)    handoff.reserve(rid, P + 1, choices=n)
   step(): the prompt runs once, under pid;         (the prompt's KV lands in its first
-  its last logits give each choice token 0          blocks_needed(P) blocks)
-  hold_kv: the prompt's KV stays held under       add_prefilled_n(rid, ids, prompt,
-  pid (held_block_ids, release); the choices                      token 0s, params)
+  its last logits give each choice token 0          blocks_for(P) blocks)
+  hold_kv: the prompt's KV stays held under       handoff.add_prefilled_n(rid, ids, prompt,
+  pid (held_block_ids, release); the choices                        token 0s, params)
   that go on decode with forked blocks              n sequences forked as drawn above
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
 
 import torch
 
-from pdserve.engine.block_manager import NoFreeBlocks
-from pdserve.engine.sequence import Sequence
-from pdserve.protocol.blocks import fork_blocks
-from pdserve.protocol.messages import TokenLogprob
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.requests import RequestTable
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import RequestId, Sequence
 from pdserve.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.engine import LLMEngine
 
+class Forks:
+    """Owns the prompts computed once for their ``n`` choices: each such prompt sequence holds
+    its ``choices`` (outside the scheduler's queues) until its last logits give each its token 0
+    (``rows``), then forks its blocks into those that go on (``settle``) and ends."""
 
-class ForkMixin:
-    """Mixed into ``LLMEngine``."""
+    def __init__(
+        self,
+        requests: RequestTable,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        kv_cache: KVCache,
+    ) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.blocks = blocks
+        self.kv_cache = kv_cache
 
-    # ---- one prompt, n choices, computed here ---------------------------------------------
     def add_request_n(
-        self: LLMEngine,
-        prompt_id: str,
-        request_ids: list[str],
+        self,
+        prompt_id: RequestId,
+        request_ids: Seq[RequestId],
         prompt_token_ids: list[int],
-        params: list[SamplingParams],
+        params: Seq[SamplingParams],
         hold_kv: bool = False,
     ) -> None:
         """Queue one prompt for ``len(request_ids)`` choices; ``params[i]`` is choice i's.
 
         The prompt runs once under ``prompt_id``, which never appears in ``step()``'s outputs;
         each choice reports under its own id from token 0 on. ``hold_kv``: the prompt's KV is
-        kept under ``prompt_id`` (``held_block_ids``, ``release``) once token 0 is drawn.
-        ``abort(choice)`` drops one choice (the prompt too if it was the last one computing);
-        ``abort(prompt_id)`` drops the prompt and every choice still waiting for token 0.
+        kept under ``prompt_id`` (``handoff.held_block_ids``, ``handoff.release``) once token
+        0 is drawn. ``abort(choice)`` drops one choice (the prompt too if it was the last one
+        computing); ``abort(prompt_id)`` drops the prompt and every choice still waiting for
+        token 0.
         """
-        _check_choices(request_ids, len(params))
-        if prompt_id in request_ids or prompt_id in self.requests or prompt_id in self.held:
+        check_choices(request_ids, len(params))
+        if (
+            prompt_id in request_ids
+            or prompt_id in self.requests
+            or prompt_id in self.requests.held
+        ):
             raise ValueError(f"request id {prompt_id!r} is already running")
         choices = [
-            self._new_sequence(rid, prompt_token_ids, p)
+            self.requests.new(rid, prompt_token_ids, p)
             for rid, p in zip(request_ids, params, strict=True)
         ]
         prompt = Sequence(prompt_id, list(prompt_token_ids), params[0])
@@ -70,12 +86,11 @@ class ForkMixin:
         prompt.choices = choices
         for seq in choices:
             seq.parent = prompt
-            self.requests[seq.request_id] = seq
-        self.requests[prompt_id] = prompt
-        self.scheduler.add(prompt)
+            self.requests.live[seq.request_id] = seq
+        self.requests.admit(prompt)
 
-    def _fork_rows(
-        self: LLMEngine, seqs: list[Sequence], logits: torch.Tensor
+    def rows(
+        self, seqs: list[Sequence], logits: torch.Tensor
     ) -> tuple[list[Sequence], torch.Tensor]:
         """The rows to sample: a prompt computed for its choices hands its row to each."""
         if all(seq.choices is None for seq in seqs):
@@ -92,7 +107,7 @@ class ForkMixin:
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         return out, logits[index]  # [len(out), V]
 
-    def _settle_forks(self: LLMEngine, seqs: list[Sequence]) -> None:
+    def settle(self, seqs: list[Sequence]) -> None:
         """Prompts whose choices just drew token 0: the prompt leaves the queues (held, or
         freed), the choices that go on enter WAITING with blocks forked from it."""
         for prompt in seqs:
@@ -102,7 +117,7 @@ class ForkMixin:
             for seq in prompt.choices:
                 seq.parent = None
             prompt.choices = None
-            self.requests.pop(prompt.request_id, None)
+            self.requests.live.pop(prompt.request_id, None)
             self.scheduler.finish(prompt, free=False)
             # the first takes the prompt's blocks over, unless they stay held
             taker = going[0] if going and not prompt.hold_kv else None
@@ -115,103 +130,40 @@ class ForkMixin:
                     self._fork_local(prompt, seq, copies)
             if taker is not None:
                 taker.block_table, prompt.block_table = prompt.block_table, []
-            self.runner.kv_cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
+            self.kv_cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
             for seq in reversed(going):  # next step, ahead of requests that came after them
                 self.scheduler.add(seq, front=True)
             if prompt.hold_kv:
-                self.held[prompt.request_id] = prompt
+                self.requests.held[prompt.request_id] = prompt
             else:
-                self.block_manager.free_seq(prompt)
+                self.blocks.free_seq(prompt)
 
-    def _fork_local(
-        self: LLMEngine, prompt: Sequence, seq: Sequence, copies: list[tuple[int, int]]
-    ) -> None:
+    def _fork_local(self, prompt: Sequence, seq: Sequence, copies: list[tuple[int, int]]) -> None:
         """A block for the partial tail if the prompt has one; none free: ``seq`` is left
         without blocks to be computed again from its tokens, as if it had been preempted."""
         tail = None
-        if prompt.num_tokens % self.block_manager.block_size:
+        if prompt.num_tokens % self.blocks.block_size:
             try:
-                [tail] = self.block_manager.allocate_blocks(1)
+                [tail] = self.blocks.allocate_blocks(1)
             except NoFreeBlocks:
                 seq.num_computed_tokens = seq.num_committed_blocks = 0
                 seq.num_preemptions += 1
                 return
-        _fork_blocks(self, prompt.block_table, prompt.num_tokens, seq, tail, copies)
+        fork_blocks_into(self.blocks, prompt.block_table, prompt.num_tokens, seq, tail, copies)
 
-    def _abort_forked(self: LLMEngine, seq: Sequence) -> None:
-        """After ``seq`` was aborted: a prompt still computing takes its waiting choices with
-        it; a waiting choice that was the prompt's last one takes the prompt."""
+    @staticmethod
+    def dropped_with(seq: Sequence) -> list[RequestId]:
+        """What goes with an aborted ``seq``: a prompt still computing takes its waiting
+        choices with it; a waiting choice that was the prompt's last one takes the prompt."""
         if seq.choices is not None:
-            for choice in seq.choices:
-                if not choice.is_finished:
-                    self.abort(choice.request_id)
-        elif seq.parent is not None and all(c.is_finished for c in seq.parent.choices or []):
-            self.abort(seq.parent.request_id)
-
-    # ---- one prompt, n choices, KV received from a prefill worker ---------------------------
-    def fork_blocks_needed(self: LLMEngine, num_prompt_tokens: int, n: int) -> int:
-        """Blocks ``n`` choices of a received prompt start with: the prompt's and token 0's
-        slot for the first, one more each for the others (their tail copy or token 0's)."""
-        return fork_blocks(num_prompt_tokens, n, self.block_manager.block_size)
-
-    def add_prefilled_n(
-        self: LLMEngine,
-        reservation_id: str,
-        request_ids: list[str],
-        prompt_token_ids: list[int],
-        first_tokens: list[int],
-        params: list[SamplingParams],
-        first_logprobs: list[TokenLogprob | None] | None = None,
-        num_cached_tokens: int = 0,
-    ) -> None:
-        """Start decoding ``len(request_ids)`` choices of a prompt whose KV now sits in the
-        first ``blocks_needed(len(prompt))`` blocks of ``reservation_id``'s reservation.
-
-        Choice i continues after ``first_tokens[i]`` (sampled, and reported, by the prefill
-        worker) with ``params[i]``; outputs start at token 1. The reservation needs
-        ``fork_blocks_needed(len(prompt), n)`` blocks (``reserve(..., choices=n)``); blocks
-        past that (choices aborted meanwhile) are freed. ``ValueError`` frees all of them.
-        ``num_cached_tokens`` as for ``add_prefilled``, the same for every choice.
-        """
-        if reservation_id not in self.reserved:
-            raise ValueError(f"request {reservation_id!r} has no reserved blocks")
-        num_tokens = len(prompt_token_ids)
-        needed = self.fork_blocks_needed(num_tokens, len(request_ids))
-        logprobs = first_logprobs or [None] * len(request_ids)
-        try:
-            _check_choices(request_ids, len(params), len(first_tokens), len(logprobs))
-            if len(self.reserved[reservation_id]) < needed:
-                raise ValueError(
-                    f"{len(request_ids)} choices of a {num_tokens}-token prompt need {needed} "
-                    f"reserved blocks, {reservation_id!r} has {len(self.reserved[reservation_id])}"
-                )
-            seqs = [
-                self._continued(rid, prompt_token_ids, [token], p)
-                for rid, token, p in zip(request_ids, first_tokens, params, strict=True)
-            ]
-        except ValueError:
-            self.cancel_reservation(reservation_id)
-            raise
-        ids = self.reserved.pop(reservation_id)
-        self.block_manager.free_blocks(ids[needed:])
-        own = self.block_manager.blocks_needed(num_tokens + 1)
-        copies: list[tuple[int, int]] = []
-        for i, seq in enumerate(seqs):
-            if i == 0:
-                seq.block_table = ids[:own]
-            else:
-                _fork_blocks(self, ids, num_tokens, seq, ids[own + i - 1], copies)
-            seq.num_computed_tokens = num_tokens
-            seq.num_cached_tokens = num_cached_tokens
-        self.runner.kv_cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
-        for seq, lp in zip(seqs, logprobs, strict=True):
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            self._admit_continued(seq)
+            return [c.request_id for c in seq.choices if not c.is_finished]
+        if seq.parent is not None and all(c.is_finished for c in seq.parent.choices or []):
+            return [seq.parent.request_id]
+        return []
 
 
-def _fork_blocks(
-    engine: LLMEngine,
+def fork_blocks_into(
+    blocks: BlockManager,
     table: list[int],
     num_tokens: int,
     seq: Sequence,
@@ -221,16 +173,16 @@ def _fork_blocks(
     """``seq`` shares the full blocks of ``num_tokens`` tokens of ``table``, then owns
     ``extra``: a copy of the partial block after them (``copies`` gets the pair), or, when
     there is none, the block for its next token."""
-    full = num_tokens // engine.block_manager.block_size
-    engine.block_manager.share(table[:full])
+    full = num_tokens // blocks.block_size
+    blocks.share(table[:full])
     seq.block_table = table[:full]
     if extra is not None:
-        if num_tokens % engine.block_manager.block_size:
+        if num_tokens % blocks.block_size:
             copies.append((table[full], extra))
         seq.block_table.append(extra)
 
 
-def _check_choices(request_ids: list[str], *lengths: int) -> None:
+def check_choices(request_ids: Seq[RequestId], *lengths: int) -> None:
     """One id per choice, all different, and one entry per choice in every per-choice list."""
     if not request_ids:
         raise ValueError("at least one choice is needed")

@@ -100,6 +100,13 @@ class KVEventPublisher:
         ]
 
     def _message(self, stored: list[int], evicted: list[int], **snapshot: object) -> m.KVEvents:
-        msg = m.KVEvents(self.worker_id, self.epoch, self.seq, stored, evicted, **snapshot)
+        msg = m.KVEvents(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            seq=self.seq,
+            stored=stored,
+            evicted=evicted,
+            **snapshot,
+        )
         self.seq += 1
         return msg

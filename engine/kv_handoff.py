@@ -1,59 +1,82 @@
-"""Engine calls for disaggregation: the prefill side hands KV off, the decode side takes it in.
+"""The engine's hand-off part: the prefill side keeps KV for a transfer, the decode side takes
+it in.
 
 prefill worker                                  decode worker
 add_request(hold_kv=True, max_tokens=1)         reserve(rid, prompt_len + 1) -> block ids
-step() ... token 0 sampled, request finished    .
+step() ... token 0 sampled, request finished      rid WAITING_FOR_REMOTE_KVS in the scheduler
 held_block_ids(rid) -> push KV ───────────────▶ (KV lands in the reserved blocks)
 release(rid)  (blocks stay in the prefix cache) add_prefilled(rid, prompt, token 0, params)
-                                                step() ... tokens 1..n
+                                                  rid WAITING with those blocks; step() ...
+
+n choices of one prompt (engine/fork.py): the prefill side runs it once and holds its KV under
+the prompt's id; here ``reserve(..., choices=n)`` takes one more block for each choice past the
+first and ``add_prefilled_n`` forks the received prompt into them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
 
-from pdserve.engine.grammar import advance
-from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.protocol.blocks import fork_blocks
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.fork import check_choices, fork_blocks_into
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.requests import RequestTable
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import RequestId, Sequence
+from pdserve.protocol.blocks import blocks_for, fork_blocks
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.engine import LLMEngine
+_NO_SAMPLING = SamplingParams()  # a reservation draws nothing; its successors have their own
 
 
-class KVHandoffMixin:
-    """Mixed into ``LLMEngine``; state lives in its ``held`` and ``reserved`` dicts."""
+class KVHandoff:
+    """Owns KV that crosses workers, in the request table and the scheduler: finished prompts
+    whose KV is ``held`` until sent (``held_block_ids``, ``release``), and reservations,
+    sequences WAITING_FOR_REMOTE_KVS in the scheduler whose blocks another worker writes,
+    taken over by the sequences decoding after token 0 (``add_prefilled``, ``add_prefilled_n``)
+    or given back (``cancel_reservation``). Also starts requests recomputed here after their
+    first tokens were drawn elsewhere (``add_continuation``)."""
 
-    def held_block_ids(self: LLMEngine, request_id: str) -> list[int]:
+    def __init__(
+        self,
+        requests: RequestTable,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        kv_cache: KVCache,
+    ) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.blocks = blocks
+        self.kv_cache = kv_cache
+
+    # ---- the prefill side -------------------------------------------------------------------
+    def held_block_ids(self, request_id: RequestId) -> list[int]:
         """Blocks holding the finished prompt's KV, in token order."""
-        return list(self.held[request_id].block_table)
+        return list(self.requests.held[request_id].block_table)
 
-    def release(self: LLMEngine, request_id: str) -> bool:
+    def release(self, request_id: RequestId) -> bool:
         """Free a held request's blocks (full ones stay findable in the prefix cache)."""
-        seq = self.held.pop(request_id, None)
+        seq = self.requests.held.pop(request_id, None)
         if seq is None:
             return False
-        self.block_manager.free_seq(seq)
+        self.blocks.free_seq(seq)
         return True
 
-    def reserve(self: LLMEngine, request_id: str, num_tokens: int, choices: int = 1) -> list[int]:
+    # ---- the decode side: reservations ------------------------------------------------------
+    def reserve(self, request_id: RequestId, num_tokens: int, choices: int = 1) -> list[int]:
         """Blocks for ``num_tokens`` tokens of KV that another worker will write, and one
-        more for each choice past the first (engine/fork.py ``add_prefilled_n``).
+        more for each choice past the first (``add_prefilled_n``).
 
         ``NoFreeBlocks`` when they are not free now; ``ValueError`` for a duplicate id.
         """
-        if request_id in self.reserved or request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} already has blocks here")
-        if choices < 1:
-            raise ValueError(f"choices must be at least 1, got {choices}")
-        n = fork_blocks(num_tokens - 1, choices, self.block_manager.block_size)
-        ids = self.block_manager.allocate_blocks(n)
-        self.reserved[request_id] = ids
+        self._check_new(request_id)
+        ids = self.blocks.allocate_blocks(fork_blocks(num_tokens - 1, choices, self.block_size))
+        self._wait_for_kvs(request_id, [], ids)
         return ids
 
     def reserve_prompt(
-        self: LLMEngine, request_id: str, prompt_token_ids: list[int], choices: int = 1
+        self, request_id: RequestId, prompt_token_ids: list[int], choices: int = 1
     ) -> tuple[list[int], int]:
         """Blocks for a prompt's KV and token 0 (and one more for each choice past the first,
         as ``reserve``), where the leading full blocks this engine already holds in its
@@ -62,28 +85,50 @@ class KVHandoffMixin:
 
         ``NoFreeBlocks`` when they are not free now; ``ValueError`` for a duplicate id.
         """
-        if request_id in self.reserved or request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} already has blocks here")
-        if choices < 1:
-            raise ValueError(f"choices must be at least 1, got {choices}")
-        bm = self.block_manager
-        hits = bm.find_cached_blocks(prompt_token_ids)
-        fresh = self.fork_blocks_needed(len(prompt_token_ids), choices) - len(hits)
-        ids = bm.allocate_blocks(fresh, hits)
-        self.reserved[request_id] = ids
-        self.scheduler.prefix_hit_tokens += len(hits) * bm.block_size
+        self._check_new(request_id)
+        needed = fork_blocks(len(prompt_token_ids), choices, self.block_size)
+        hits = self.blocks.find_cached_blocks(prompt_token_ids)
+        ids = self.blocks.allocate_blocks(needed - len(hits), hits)
+        self._wait_for_kvs(request_id, prompt_token_ids, ids)
+        self.scheduler.prefix_hit_tokens += len(hits) * self.block_size
         return ids, len(hits)
 
-    def cancel_reservation(self: LLMEngine, request_id: str) -> bool:
-        ids = self.reserved.pop(request_id, None)
-        if ids is None:
+    def cancel_reservation(self, request_id: RequestId) -> bool:
+        seq = self.scheduler.waiting_for_kvs.get(request_id)
+        if seq is None:
             return False
-        self.block_manager.free_blocks(ids)
+        self.scheduler.finish(seq)
         return True
 
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def _check_new(self, request_id: RequestId) -> None:
+        if request_id in self.scheduler.waiting_for_kvs or request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} already has blocks here")
+
+    def _wait_for_kvs(self, request_id: RequestId, prompt: list[int], ids: list[int]) -> None:
+        seq = Sequence(request_id, list(prompt), _NO_SAMPLING)
+        seq.block_table = ids
+        self.scheduler.wait_for_kvs(seq)
+
+    def _reserved(self, request_id: RequestId) -> Sequence:
+        seq = self.scheduler.waiting_for_kvs.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} has no reserved blocks")
+        return seq
+
+    def _take_over(self, reservation: Sequence) -> list[int]:
+        """The KV has landed: the reservation ends, its blocks go to what decodes from it."""
+        self.scheduler.finish(reservation, free=False)
+        ids, reservation.block_table = reservation.block_table, []
+        return ids
+
+    # ---- the decode side: starting to decode ------------------------------------------------
     def add_prefilled(
-        self: LLMEngine,
-        request_id: str,
+        self,
+        request_id: RequestId,
         prompt_token_ids: list[int],
         first_token: int,
         params: SamplingParams,
@@ -96,23 +141,76 @@ class KVHandoffMixin:
         ``num_cached_tokens``: prompt tokens a prefix cache served (the prefill worker's, or
         this engine's through ``reserve_prompt``), what the outputs report.
         """
-        if request_id not in self.reserved:
-            raise ValueError(f"request {request_id!r} has no reserved blocks")
+        reservation = self._reserved(request_id)
         try:
-            seq = self._continued(request_id, prompt_token_ids, [first_token], params)
+            seq = self.requests.continued(request_id, prompt_token_ids, [first_token], params)
         except ValueError:
             self.cancel_reservation(request_id)
             raise
-        seq.block_table = self.reserved.pop(request_id)
+        seq.block_table = self._take_over(reservation)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
         if first_logprob is not None:
             seq.output_logprobs.append(first_logprob)
-        self._admit_continued(seq)
+        self.requests.admit_continued(seq)
+
+    def add_prefilled_n(
+        self,
+        reservation_id: RequestId,
+        request_ids: Seq[RequestId],
+        prompt_token_ids: list[int],
+        first_tokens: Seq[int],
+        params: Seq[SamplingParams],
+        first_logprobs: Seq[TokenLogprob | None] | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Start decoding ``len(request_ids)`` choices of a prompt whose KV now sits in the
+        leading ``blocks_for(len(prompt))`` blocks of ``reservation_id``'s reservation.
+
+        Choice i continues after ``first_tokens[i]`` (sampled, and reported, by the prefill
+        worker) with ``params[i]``; outputs start at token 1. The reservation needs
+        ``fork_blocks(len(prompt), n)`` blocks (``reserve(..., choices=n)``); blocks past that
+        (choices aborted meanwhile) are freed. ``ValueError`` frees all of them.
+        ``num_cached_tokens`` as for ``add_prefilled``, the same for every choice.
+        """
+        reservation = self._reserved(reservation_id)
+        num_tokens = len(prompt_token_ids)
+        needed = fork_blocks(num_tokens, len(request_ids), self.block_size)
+        logprobs = first_logprobs or [None] * len(request_ids)
+        try:
+            check_choices(request_ids, len(params), len(first_tokens), len(logprobs))
+            if len(reservation.block_table) < needed:
+                raise ValueError(
+                    f"{len(request_ids)} choices of a {num_tokens}-token prompt need {needed} "
+                    f"reserved blocks, {reservation_id!r} has {len(reservation.block_table)}"
+                )
+            seqs = [
+                self.requests.continued(rid, prompt_token_ids, [token], p)
+                for rid, token, p in zip(request_ids, first_tokens, params, strict=True)
+            ]
+        except ValueError:
+            self.cancel_reservation(reservation_id)
+            raise
+        ids = self._take_over(reservation)
+        self.blocks.free_blocks(ids[needed:])
+        own = blocks_for(num_tokens + 1, self.block_size)
+        copies: list[tuple[int, int]] = []
+        for i, seq in enumerate(seqs):
+            if i == 0:
+                seq.block_table = ids[:own]
+            else:
+                fork_blocks_into(self.blocks, ids, num_tokens, seq, ids[own + i - 1], copies)
+            seq.num_computed_tokens = num_tokens
+            seq.num_cached_tokens = num_cached_tokens
+        self.kv_cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
+        for seq, lp in zip(seqs, logprobs, strict=True):
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            self.requests.admit_continued(seq)
 
     def add_continuation(
-        self: LLMEngine,
-        request_id: str,
+        self,
+        request_id: RequestId,
         prompt_token_ids: list[int],
         generated: list[int],
         params: SamplingParams,
@@ -121,32 +219,5 @@ class KVHandoffMixin:
         prompt and those tokens are computed again here (after a failed KV transfer, or when
         a request moves off a dead worker), and outputs continue at ``len(generated)``."""
         self.cancel_reservation(request_id)
-        seq = self._continued(request_id, prompt_token_ids, generated, params)
-        self._admit_continued(seq)
-
-    def _continued(
-        self: LLMEngine,
-        request_id: str,
-        prompt_token_ids: list[int],
-        generated: list[int],
-        params: SamplingParams,
-    ) -> Sequence:
-        if not generated:
-            raise ValueError("a continued request needs at least one generated token")
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
-        seq.token_ids.extend(generated)
-        seq.num_returned_tokens = len(generated)
-        if seq.matcher is not None:
-            advance(seq.matcher, generated)  # the constraint resumes where they left it
-        if seq.generator is not None and not params.greedy:
-            # each earlier token drew once from this seed elsewhere; stay in step with it
-            for _ in generated:
-                self.sampler.skip_draw(seq.generator, self.model_config.vocab_size)
-        return seq
-
-    def _admit_continued(self: LLMEngine, seq: Sequence) -> None:
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
-        self._check_finish(seq, seq.last_token_id)
-        if seq.status is SequenceStatus.FINISHED:
-            self._final_outputs.append(seq)  # reported, with its finish reason, next step
+        seq = self.requests.continued(request_id, prompt_token_ids, generated, params)
+        self.requests.admit_continued(seq)

@@ -3,7 +3,7 @@
 Each check returns ``(usable, reason)``: the reason names the device or version when usable,
 the cause when not. Checks never raise and import optional packages (flashinfer, cupy) only
 when called, so importing this module costs nothing beyond torch. The attention backends,
-``make_backend``, the kvtransfer registry and ``bench/gpu.py`` all ask here.
+``make_backend``, the kvtransfer registry and ``bench/micro/gpu.py`` all ask here.
 
 Supported ranges: flashinfer 0.5–0.7 (the wrapper ``plan``/``run`` API this code is written
 against); cupy with NCCL for CUDA 12/13; CUDA IPC on Linux only.

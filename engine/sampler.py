@@ -124,7 +124,9 @@ class Sampler:
             top: list[tuple[int, float]] = []
             if k and top_ids is not None and top_vals is not None:
                 top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
-            result[i] = TokenLogprob(token_list[i], chosen_list[j], ranks[j], top)
+            result[i] = TokenLogprob(
+                token_id=token_list[i], logprob=chosen_list[j], rank=ranks[j], top=top
+            )
         return result
 
 

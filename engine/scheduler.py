@@ -6,6 +6,10 @@ alike, so a long prompt is split over steps (chunked prefill) while decodes keep
 sequences are served first, in order; when blocks run out the newest running sequence is
 preempted (blocks freed, recomputed later from its tokens). Waiting sequences are admitted
 FIFO while budget, ``max_num_seqs`` and blocks allow.
+
+A sequence WAITING_FOR_REMOTE_KVS (a reservation: blocks another worker's KV is written into,
+engine/kv_handoff.py) is kept in ``waiting_for_kvs`` and never scheduled; it holds its blocks
+until the KV has landed and the sequences decoding from it take them over, or it is cancelled.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import RequestId, Sequence, SequenceStatus
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.waiting_for_kvs: dict[RequestId, Sequence] = {}  # reservations, by request id
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue ``seq``; ``front``: ahead of every waiting one (what was just running)."""
@@ -48,7 +53,13 @@ class Scheduler:
         else:
             self.waiting.append(seq)
 
+    def wait_for_kvs(self, seq: Sequence) -> None:
+        """Keep ``seq`` (its blocks allocated) until another worker's KV has landed in them."""
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kvs[seq.request_id] = seq
+
     def has_unfinished(self) -> bool:
+        """Whether a step has work: waiting and running sequences (not reservations)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
@@ -96,7 +107,9 @@ class Scheduler:
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Remove a finished (or aborted) sequence from its queue; free its blocks unless
         the caller keeps them (KV still to be sent elsewhere)."""
-        if seq in self.running:
+        if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_kvs[seq.request_id]
+        elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -2,10 +2,15 @@
 
 Status on the engine (each sequence is in exactly one scheduler queue)::
 
-    add_request ─▶ WAITING ─schedule─▶ RUNNING ─stop/length─▶ FINISHED
-                      ▲                   │
+    reserve ─▶ WAITING_FOR_REMOTE_KVS ─KV landed: add_prefilled(_n)─▶ its blocks decode on
+    add_request ─▶ WAITING ─schedule─▶ RUNNING ─stop/length─▶ FINISHED (hold_kv: KV kept,
+                      ▲                   │                            until released)
                       └──── preempted ────┘   (blocks freed, recomputed later)
     abort from any state ─▶ FINISHED (finish_reason "abort")
+
+A reservation (engine/kv_handoff.py) is a sequence WAITING_FOR_REMOTE_KVS: blocks that another
+worker's KV is written into, never scheduled; when the KV has landed, the sequences that decode
+from it take its blocks over and it is FINISHED.
 
 A prompt computed once for ``n`` choices (engine/fork.py) is a sequence of its own whose
 ``choices`` wait outside the queues until its last logits give each its token 0; then they
@@ -15,6 +20,7 @@ enter WAITING with forked blocks (or finish there) and the prompt sequence is FI
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +29,13 @@ import torch
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
+# An engine request id: any hashable value (a string in tests and ``generate``; a worker's typed
+# key, pdserve.protocol.keys.ChoiceKey, for one choice of a request). Never parsed.
+RequestId = Hashable
+
 
 class SequenceStatus(enum.Enum):
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -32,7 +43,7 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class Sequence:
-    request_id: str
+    request_id: RequestId
     token_ids: list[int]  # prompt, then generated tokens appended in place
     params: SamplingParams
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

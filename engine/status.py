@@ -6,73 +6,73 @@ block manager, so either can change inside the engine without a worker noticing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from pdserve.engine.engine import LLMEngine
 
+class EngineStatus:
+    """The engine's status part: owns nothing, reads the block manager, the KV cache and the
+    scheduler's queues for workers (registration, heartbeats, KV transfers)."""
 
-class EngineStatusMixin:
-    """Mixed into ``LLMEngine``."""
+    def __init__(self, blocks: BlockManager, kv_cache: KVCache, scheduler: Scheduler) -> None:
+        self._blocks = blocks
+        self._kv_cache = kv_cache
+        self._scheduler = scheduler
 
     # ---- the KV cache -----------------------------------------------------------------------
     @property
-    def block_size(self: LLMEngine) -> int:
+    def block_size(self) -> int:
         """Tokens of KV one block holds."""
-        return self.block_manager.block_size
+        return self._blocks.block_size
 
     @property
-    def num_blocks(self: LLMEngine) -> int:
-        return self.block_manager.num_blocks
+    def num_blocks(self) -> int:
+        return self._blocks.num_blocks
 
     @property
-    def num_free_blocks(self: LLMEngine) -> int:
-        return self.block_manager.num_free_blocks
+    def num_free_blocks(self) -> int:
+        return self._blocks.num_free_blocks
 
     @property
-    def num_used_blocks(self: LLMEngine) -> int:
-        return self.block_manager.num_used_blocks
-
-    def blocks_needed(self: LLMEngine, num_tokens: int) -> int:
-        """Blocks the KV of ``num_tokens`` tokens fills (the last one maybe partly)."""
-        return self.block_manager.blocks_needed(num_tokens)
+    def num_used_blocks(self) -> int:
+        return self._blocks.num_used_blocks
 
     @property
-    def kv_layers(self: LLMEngine) -> list[torch.Tensor]:
+    def kv_layers(self) -> list[torch.Tensor]:
         """The KV cache, one tensor a layer: what a KV sender reads and a receiver writes."""
-        return self.runner.kv_cache.layers
+        return self._kv_cache.layers
 
-    def kv_event_publisher(self: LLMEngine, worker_id: str) -> KVEventPublisher:
+    def kv_event_publisher(self, worker_id: str) -> KVEventPublisher:
         """The ``KVEvents`` of this engine's prefix cache (one publisher an engine: it hooks
         the block manager's store and evict events)."""
-        return KVEventPublisher(self.block_manager, worker_id)
+        return KVEventPublisher(self._blocks, worker_id)
 
     # ---- load -------------------------------------------------------------------------------
     @property
-    def num_running(self: LLMEngine) -> int:
-        return len(self.scheduler.running)
+    def num_running(self) -> int:
+        return len(self._scheduler.running)
 
     @property
-    def num_waiting(self: LLMEngine) -> int:
-        return len(self.scheduler.waiting)
+    def num_waiting(self) -> int:
+        return len(self._scheduler.waiting)
 
     @property
-    def queued_prompt_tokens(self: LLMEngine) -> int:
+    def queued_prompt_tokens(self) -> int:
         """Tokens still to compute, the load a placement weighs: every waiting sequence's, and
         each running one's but for a one-token decode step (cheap, and not prompt work)."""
-        sched = self.scheduler
+        sched = self._scheduler
         waiting = sum(s.num_uncomputed_tokens for s in sched.waiting)
         return waiting + sum(s.num_uncomputed_tokens for s in sched.running if not _decode_step(s))
 
     @property
-    def prefix_hit_tokens(self: LLMEngine) -> int:
+    def prefix_hit_tokens(self) -> int:
         """Prompt tokens served from the prefix cache (here or reserved into), since start."""
-        return self.scheduler.prefix_hit_tokens
+        return self._scheduler.prefix_hit_tokens
 
 
 def _decode_step(seq: Sequence) -> bool:

@@ -21,7 +21,7 @@ import hmac
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,9 +36,8 @@ from pdserve.gateway.errors import (
     overloaded,
     unsupported_media_type,
 )
-
-if TYPE_CHECKING:
-    from pdserve.gateway.generation import Generation
+from pdserve.gateway.metrics import Outcome
+from pdserve.gateway.run import JobRun
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +46,18 @@ TOKENIZE_PATHS = ("/tokenize", "/detokenize")  # bodies bounded like generation'
 
 
 class AdmissionState:
-    """Per app: requests in flight, the drain flag, and the generations a drain may end."""
+    """Per app: requests in flight, the drain flag, and the runs a drain may end."""
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.draining = False
-        self.generations: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self.runs: weakref.WeakSet[JobRun] = weakref.WeakSet()
 
     def expire_all(self, error: OpenAIError) -> int:
-        """End every running generation with ``error`` (an SSE error event, or the status)."""
-        live = [g for g in self.generations if not g.closed]
-        for gen in live:
-            gen.expire(error, "aborted")
+        """End every running job with ``error`` (an SSE error event, or the status)."""
+        live = [run for run in self.runs if not run.closed]
+        for run in live:
+            run.expire(error, Outcome.ABORTED)
         return len(live)
 
 
@@ -85,6 +84,9 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class Admission:
+    """The middleware that gates every request (module docstring); it owns no state but the
+    app's ``AdmissionState``."""
+
     def __init__(
         self,
         app: ASGIApp,

@@ -23,12 +23,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import ModelInfo
 from pdserve.gateway.errors import invalid_request, model_not_found
 from pdserve.gateway.openai_models import INT64_MAX, ChatCompletionRequest, ChatMessage
 from pdserve.gateway.prompt_guard import check_prompt_size, too_long
 from pdserve.gateway.tools.models import MAX_TOOLS, Tool
 from pdserve.gateway.tools.request import template_tools
+from pdserve.protocol import messages as m
 
 
 def pdserve_version() -> str:
@@ -38,7 +38,7 @@ def pdserve_version() -> str:
         return "0+unknown"
 
 
-def system_fingerprint(model: ModelInfo) -> str:
+def system_fingerprint(model: m.ServedModel) -> str:
     """``pdserve-<version>-<hash8>``, the hash of what the model is served from (vLLM's shape):
     it changes when the server or the model's weights or context length do."""
     digest = hashlib.sha256(f"{model.root}\0{model.max_model_len}".encode()).hexdigest()
@@ -55,12 +55,13 @@ def resolve_model(name: str | None, aliases: Mapping[str, str], served: Collecti
     return aliases.get(name, name)
 
 
-def model_card(info: ModelInfo, name: str | None = None) -> dict[str, Any]:
-    """``name``: the alias the card is for (its ``root`` is the model's)."""
+def model_card(info: m.ServedModel, name: str | None = None) -> dict[str, Any]:
+    """``name``: the alias the card is for (its ``root`` is the model's). ``created`` is 0:
+    nothing records when a model came to be served."""
     return {
-        "id": name or info.id,
+        "id": name or info.name,
         "object": "model",
-        "created": info.created,
+        "created": 0,
         "owned_by": "pdserve",
         "root": info.root,
         "parent": None,
@@ -69,12 +70,12 @@ def model_card(info: ModelInfo, name: str | None = None) -> dict[str, Any]:
 
 
 def model_list(
-    models: list[ModelInfo], served: Mapping[str, Tokenizer], aliases: Mapping[str, str]
+    models: list[m.ServedModel], served: Mapping[str, Tokenizer], aliases: Mapping[str, str]
 ) -> dict[str, Any]:
     """Every model with workers and a tokenizer, then each alias of one of them."""
-    available = [m for m in models if m.id in served]
-    data = [model_card(m) for m in available]
-    by_id = {m.id: m for m in available}
+    available = [model for model in models if model.name in served]
+    data = [model_card(model) for model in available]
+    by_id = {model.name: model for model in available}
     data += [
         model_card(by_id[target], alias) for alias, target in aliases.items() if target in by_id
     ]
@@ -82,7 +83,10 @@ def model_list(
 
 
 def retrieve_model(
-    name: str, models: list[ModelInfo], served: Mapping[str, Tokenizer], aliases: Mapping[str, str]
+    name: str,
+    models: list[m.ServedModel],
+    served: Mapping[str, Tokenizer],
+    aliases: Mapping[str, str],
 ) -> dict[str, Any]:
     """``GET /v1/models/{name}``; 404 ``model_not_found`` for a name ``model_list`` lacks."""
     card = next((c for c in model_list(models, served, aliases)["data"] if c["id"] == name), None)
@@ -115,7 +119,7 @@ class DetokenizeRequest(_Body):
     tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
-def tokenize(req: TokenizeRequest, tokenizer: Tokenizer, model: ModelInfo) -> dict[str, Any]:
+def tokenize(req: TokenizeRequest, tokenizer: Tokenizer, model: m.ServedModel) -> dict[str, Any]:
     """``POST /tokenize``: the ids the generation endpoints would give the model for this
     prompt or chat (what ``vllm bench serve`` checks its prompt lengths against)."""
     if (req.prompt is None) == (req.messages is None):
@@ -135,7 +139,9 @@ def tokenize(req: TokenizeRequest, tokenizer: Tokenizer, model: ModelInfo) -> di
             "token_strs": strs}  # fmt: skip
 
 
-def detokenize(req: DetokenizeRequest, tokenizer: Tokenizer, model: ModelInfo) -> dict[str, Any]:
+def detokenize(
+    req: DetokenizeRequest, tokenizer: Tokenizer, model: m.ServedModel
+) -> dict[str, Any]:
     """``POST /detokenize``: the text of ``tokens``, special tokens included (as vLLM)."""
     if len(req.tokens) > model.max_model_len:
         message = (

@@ -1,8 +1,12 @@
-"""The HTTP layer: one handler per endpoint; the work is in ``jobs``, ``generation``, ``stream``,
-``api_extras``.
+"""The HTTP layer: one handler per endpoint, each a few lines over plain functions (``Gateway``
+here; ``jobs``, ``run``, ``stream``, ``api_extras``)::
 
-POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
-POST /tokenize   POST /detokenize   GET /version   GET /health   GET /metrics
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
+    POST /tokenize   POST /detokenize   GET /version   GET /health   GET /metrics
+
+A generation request: ``Gateway.lookup`` (the model), ``jobs.prepare_*`` (the ``Job``),
+``Gateway.serve`` (its ``JobRun`` started, then streamed by ``stream.stream_events`` or
+collected by ``complete``).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
@@ -33,7 +38,7 @@ from pdserve.gateway.api_extras import (
     system_fingerprint,
     tokenize,
 )
-from pdserve.gateway.backend import Backend, BackendError, ModelInfo
+from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import (
     OpenAIError,
@@ -42,25 +47,179 @@ from pdserve.gateway.errors import (
     install_error_handlers,
     model_not_found,
 )
-from pdserve.gateway.generation import Generation
 from pdserve.gateway.headers import add_header_middleware
 from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
-from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.metrics import GatewayMetrics, Outcome
 from pdserve.gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.prometheus import CONTENT_TYPE
+from pdserve.gateway.run import JobRun
 from pdserve.gateway.stream import BoundedStreamingResponse, collect, error_body, stream_events
+from pdserve.protocol import messages as m
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
 
-def request_outcome(error: OpenAIError) -> str:
+def request_outcome(error: OpenAIError) -> Outcome:
     """The ``pdserve_requests_total`` outcome of a request answered with ``error``."""
     if error.status in (429, 503):
-        return "rejected"
+        return Outcome.REJECTED
     if error.code == "timeout":
-        return "timeout"
-    return "error" if error.status >= 500 else "invalid"
+        return Outcome.TIMEOUT
+    return Outcome.ERROR if error.status >= 500 else Outcome.INVALID
+
+
+@dataclass
+class Gateway:
+    """What the handlers of one app share, and the work they do: ``tokenizers`` maps each
+    served model name to its tokenizer, ``aliases`` each alias to a served name; ``admission``
+    is the in-flight count and the drain flag (``gateway.drain`` drives them), and the runs a
+    drain may end."""
+
+    backend: Backend
+    tokenizers: Mapping[str, Tokenizer]
+    metrics: GatewayMetrics
+    config: GatewayConfig
+    admission: AdmissionState = dataclasses.field(default_factory=AdmissionState)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        return dict(self.config.model_aliases)
+
+    def count(self, path: str, error: OpenAIError) -> None:
+        """Count a generation request answered with ``error`` before it ran."""
+        if path in GENERATE_PATHS:
+            self.metrics.requests.inc(outcome=request_outcome(error).value)
+
+    def lookup(self, name: str | None) -> tuple[str, Tokenizer, m.ServedModel]:
+        """The served model ``name`` stands for (an alias, or None for the only one)."""
+        model = resolve_model(name, self.aliases, self.tokenizers)
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:
+            raise model_not_found(model)
+        info = next((s for s in self.backend.models() if s.name == model), None)
+        if info is None:
+            raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
+        return model, tokenizer, info
+
+    async def serve(
+        self, job: Job, tokenizer: Tokenizer, info: m.ServedModel, request: Request
+    ) -> Response:
+        """Start ``job`` (a refusal is the response's status), then stream it or collect it."""
+        job = dataclasses.replace(job, system_fingerprint=system_fingerprint(info))
+        if getattr(request.state, "request_id", None):
+            log.debug("request %s: X-Request-Id %s", job.response_id, request.state.request_id)
+        config = self.config
+        run = JobRun(
+            self.backend,
+            tokenizer,
+            job,
+            self.metrics,
+            timeout_s=config.timeout_s,
+            idle_s=config.idle_timeout_s,
+            max_backlog=config.max_stream_backlog,
+        )
+        self.admission.runs.add(run)
+        try:
+            await run.start()
+        except BackendError as e:
+            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
+            raise from_backend(e) from e
+        except OpenAIError as e:  # the request timeout passed while it was being placed
+            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
+            raise
+        if not job.stream:
+            return await complete(run, request)
+        # The background close aborts a stream the server never began to iterate.
+        return BoundedStreamingResponse(
+            stream_events(run),
+            send_timeout_s=config.stream_send_timeout_s,
+            on_cut=run.close,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(run.close),
+        )
+
+    def health(self) -> Response:
+        if self.admission.draining:
+            return error_response(OpenAIError(503, "draining", code="draining"))
+        if not self.backend.health():
+            return error_response(OpenAIError(503, "the backend is not ready"))
+        return JSONResponse({"status": "ok"})
+
+    def metrics_text(self) -> Response:
+        self.metrics.in_flight.set(self.admission.in_flight)
+        backend = self.backend
+        text = self.metrics.render(backend.worker_stats(), backend.routing_decisions())
+        return Response(text, media_type=CONTENT_TYPE)
+
+
+def gateway_of(request: Request) -> Gateway:
+    return cast(Gateway, request.app.state.gateway)
+
+
+router = APIRouter()
+
+
+# Template and tokenizer run in a thread: a long prompt must not stall every stream (it still
+# does while the tokenizer holds the GIL).
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    gateway = gateway_of(request)
+    model, tokenizer, info = gateway.lookup(body.model)
+    body = body.model_copy(update={"model": model})  # an alias: the served name from here
+    parser = gateway.config.tool_call_parser
+    job = await asyncio.to_thread(prepare_chat, body, tokenizer, info, parser)
+    return await gateway.serve(job, tokenizer, info, request)
+
+
+@router.post("/v1/completions", responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    gateway = gateway_of(request)
+    model, tokenizer, info = gateway.lookup(body.model)
+    body = body.model_copy(update={"model": model})
+    job = await asyncio.to_thread(prepare_completion, body, tokenizer, info)
+    return await gateway.serve(job, tokenizer, info, request)
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES)
+async def tokenize_text(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    _, tokenizer, info = gateway_of(request).lookup(body.model)
+    return await asyncio.to_thread(tokenize, body, tokenizer, info)
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES)
+async def detokenize_ids(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    _, tokenizer, info = gateway_of(request).lookup(body.model)
+    return await asyncio.to_thread(detokenize, body, tokenizer, info)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    return model_list(gateway.backend.models(), gateway.tokenizers, gateway.aliases)
+
+
+@router.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
+async def retrieve(model: str, request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    return retrieve_model(model, gateway.backend.models(), gateway.tokenizers, gateway.aliases)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": pdserve_version()}
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    return gateway_of(request).health()
+
+
+@router.get("/metrics")
+async def metrics_text(request: Request) -> Response:
+    return gateway_of(request).metrics_text()
 
 
 def create_app(
@@ -76,121 +235,17 @@ def create_app(
     ``tokenizers.get`` answers the request. ``lifespan`` runs around the server (it starts and
     stops a backend that owns sockets). ``app.state.admission`` is the in-flight count and the
     drain flag (``gateway.drain`` drives them)."""
-    metrics = metrics or GatewayMetrics()
-    config = config or GatewayConfig()
-    admission = AdmissionState()
+    gateway = Gateway(backend, tokenizers, metrics or GatewayMetrics(), config or GatewayConfig())
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.admission = admission
-
-    def count(path: str, error: OpenAIError) -> None:
-        if path in GENERATE_PATHS:
-            metrics.requests.inc(outcome=request_outcome(error))
-
-    install_error_handlers(app, lambda request, error: count(request.url.path, error))
-    app.add_middleware(Admission, config=config, state=admission, on_reject=count)
-    add_header_middleware(app, config)
+    app.state.gateway = gateway
+    app.state.admission = gateway.admission
+    install_error_handlers(app, lambda request, error: gateway.count(request.url.path, error))
+    app.add_middleware(
+        Admission, config=gateway.config, state=gateway.admission, on_reject=gateway.count
+    )
+    add_header_middleware(app, gateway.config)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
-    aliases = dict(config.model_aliases)
-
-    def lookup(name: str | None) -> tuple[str, Tokenizer, ModelInfo]:
-        """The served model ``name`` stands for (an alias, or None for the only one)."""
-        model = resolve_model(name, aliases, tokenizers)
-        tokenizer = tokenizers.get(model)
-        if tokenizer is None:
-            raise model_not_found(model)
-        info = next((m for m in backend.models() if m.id == model), None)
-        if info is None:
-            raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
-        return model, tokenizer, info
-
-    async def serve(job: Job, tokenizer: Tokenizer, info: ModelInfo, request: Request) -> Response:
-        job = dataclasses.replace(job, system_fingerprint=system_fingerprint(info))
-        if getattr(request.state, "request_id", None):
-            log.debug("request %s: X-Request-Id %s", job.response_id, request.state.request_id)
-        gen = Generation(
-            backend,
-            tokenizer,
-            job,
-            metrics,
-            timeout_s=config.timeout_s,
-            idle_s=config.idle_timeout_s,
-            max_backlog=config.max_stream_backlog,
-        )
-        admission.generations.add(gen)
-        try:
-            await gen.start()
-        except BackendError as e:
-            error = from_backend(e)
-            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
-            raise error from e
-        except OpenAIError as e:  # the request timeout passed while it was being placed
-            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
-            raise
-        if job.stream:
-            # The background close aborts a stream the server never began to iterate.
-            return BoundedStreamingResponse(
-                stream_events(gen),
-                send_timeout_s=config.stream_send_timeout_s,
-                on_cut=gen.close,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-                background=BackgroundTask(gen.close),
-            )
-        return await complete(gen, request)
-
-    # Template and tokenizer run in a thread: a long prompt must not stall every stream (it
-    # still does while the tokenizer holds the GIL).
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        model, tokenizer, info = lookup(body.model)
-        body = body.model_copy(update={"model": model})  # an alias: the served name from here
-        parser = config.tool_call_parser
-        job = await asyncio.to_thread(prepare_chat, body, tokenizer, info, parser)
-        return await serve(job, tokenizer, info, request)
-
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        model, tokenizer, info = lookup(body.model)
-        body = body.model_copy(update={"model": model})
-        job = await asyncio.to_thread(prepare_completion, body, tokenizer, info)
-        return await serve(job, tokenizer, info, request)
-
-    @app.post("/tokenize", responses=ERROR_RESPONSES)
-    async def tokenize_text(body: TokenizeRequest) -> dict[str, Any]:
-        _, tokenizer, info = lookup(body.model)
-        return await asyncio.to_thread(tokenize, body, tokenizer, info)
-
-    @app.post("/detokenize", responses=ERROR_RESPONSES)
-    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, Any]:
-        _, tokenizer, info = lookup(body.model)
-        return await asyncio.to_thread(detokenize, body, tokenizer, info)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return model_list(backend.models(), tokenizers, aliases)
-
-    @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
-    async def retrieve(model: str) -> dict[str, Any]:
-        return retrieve_model(model, backend.models(), tokenizers, aliases)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": pdserve_version()}
-
-    @app.get("/health")
-    async def health() -> Response:
-        if admission.draining:
-            return error_response(OpenAIError(503, "draining", code="draining"))
-        if not backend.health():
-            return error_response(OpenAIError(503, "the backend is not ready"))
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        metrics.in_flight.set(admission.in_flight)
-        text = metrics.render(backend.worker_stats(), backend.routing_decisions())
-        return Response(text, media_type=CONTENT_TYPE)
-
+    app.include_router(router)
     return app
 
 
@@ -209,9 +264,9 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-async def complete(gen: Generation, request: Request) -> Response:
-    """Run a non-streaming generation; abort it if the client leaves first."""
-    work = asyncio.ensure_future(collect(gen))
+async def complete(run: JobRun, request: Request) -> Response:
+    """Run a non-streaming job; abort it if the client leaves first."""
+    work = asyncio.ensure_future(collect(run))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,14 +276,14 @@ async def complete(gen: Generation, request: Request) -> Response:
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-        await gen.close()
+        await run.close()
     if work.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     error = work.exception()
     if error is not None:
         body = error_body(error)
-        log.warning("request %s: %d %s", gen.job.response_id, body.status, body.message)
-        return error_response(body)  # counted by the generation, not on_error
+        log.warning("request %s: %d %s", run.job.response_id, body.status, body.message)
+        return error_response(body)  # counted by the run, not on_error
     return JSONResponse(work.result())
 
 

@@ -28,6 +28,9 @@ DEFAULT_MAX_CONNECTIONS = 2048
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """The gateway's limits, protections and API options; checked when built (``ValueError``
+    with a message for the user)."""
+
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # 0: no limit
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS  # generation requests in flight
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -117,6 +120,17 @@ def load_api_keys(
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag ``config_from_args`` reads."""
+    _add_request_args(parser)
+    _add_key_args(parser)
+    _add_stream_args(parser)
+    _add_connection_args(parser)
+    add_api_args(parser)
+    add_tool_args(parser)
+
+
+def _add_request_args(parser: argparse.ArgumentParser) -> None:
+    """A generation request's bounds, and the drain's."""
     parser.add_argument(
         "--request-timeout",
         type=float,
@@ -143,6 +157,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, refuse new requests and let running ones finish for this long",
     )
+
+
+def _add_key_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         action="append",
@@ -151,6 +168,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         f"prefer --api-key-file or ${API_KEY_ENV})",
     )
     parser.add_argument("--api-key-file", help="a file of API keys, one per line")
+
+
+def _add_stream_args(parser: argparse.ArgumentParser) -> None:
+    """A stream's bounds: silence from the cluster, a client that does not read."""
     parser.add_argument(
         "--stream-idle-timeout",
         type=float,
@@ -171,6 +192,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_STREAM_BACKLOG,
         help="token events held for a slow streaming client before it is cut off",
     )
+
+
+def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """What one HTTP connection may hold."""
     parser.add_argument(
         "--header-timeout",
         type=float,
@@ -191,8 +216,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_CONNECTIONS,
         help="open HTTP connections; beyond it, requests get 503",
     )
-    add_api_args(parser)
-    add_tool_args(parser)
 
 
 def list_arg(value: str) -> list[str]:

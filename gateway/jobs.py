@@ -1,5 +1,16 @@
 """From a validated OpenAI request to the backend requests that serve it: chat template,
-tokenization, context-length checks, sampling parameters."""
+tokenization, context-length checks, sampling parameters.
+
+One request, one name for each thing it is on its way through the gateway::
+
+    ChatCompletionRequest | CompletionRequest   the HTTP body, validated (gateway.openai_models)
+      -> Job        this module: the OpenAI request prepared; what to generate (one backend
+                    request per prompt) and how to shape the answer (stream, usage, tools)
+      -> m.Generate the backend request of one prompt, ``n`` choices: the wire's own message
+                    (gateway.backend; the ZMQ backend sends it to the coordinator as it is)
+      -> JobRun     one Job being served: its token streams, choices and outcome (gateway.run)
+      -> m.TokenChunk in, ChoiceUpdate out (gateway.choices), SSE or a body (gateway.stream)
+"""
 
 from __future__ import annotations
 
@@ -7,10 +18,9 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import GenerateRequest, ModelInfo
 from pdserve.gateway.errors import OpenAIError, invalid_request
 from pdserve.gateway.openai_models import (
     MAX_PROMPTS,
@@ -27,18 +37,20 @@ from pdserve.gateway.tools.request import (
     tool_plan,
     uses_special_tool_tokens,
 )
+from pdserve.protocol import messages as m
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(frozen=True)
 class Job:
-    """One OpenAI request: one backend request per prompt, ``n`` choices each."""
+    """One OpenAI request, prepared: one backend request per prompt, ``n`` choices each, and
+    how the response is shaped. Frozen: the ``JobRun`` serving it holds what changes."""
 
     kind: Literal["chat", "completion"]
     response_id: str
     model: str
-    requests: list[GenerateRequest]
+    requests: list[m.Generate]
     n: int = 1
     stops: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
@@ -56,7 +68,10 @@ class Job:
 
 
 def prepare_chat(
-    req: ChatCompletionRequest, tokenizer: Tokenizer, model: ModelInfo, tool_parser: str = "auto"
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    model: m.ServedModel,
+    tool_parser: str = "auto",
 ) -> Job:
     """``tool_parser``: ``--tool-call-parser`` (``gateway.tools.request``)."""
     check_supported(req)
@@ -85,7 +100,7 @@ def prepare_chat(
     return dataclasses.replace(job, tools=plan, skip_special_tokens=skip)
 
 
-def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: ModelInfo) -> Job:
+def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, model: m.ServedModel) -> Job:
     check_supported(req)
     prompts = _prompt_ids(req, tokenizer, model.max_model_len)
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -103,7 +118,7 @@ def _job(
     kind: Literal["chat", "completion"],
     response_id: str,
     req: ChatCompletionRequest | CompletionRequest,
-    requests: list[GenerateRequest],
+    requests: list[m.Generate],
 ) -> Job:
     return Job(
         kind=kind,
@@ -126,27 +141,36 @@ def _request(
     tokenizer: Tokenizer,
     ids: list[int],
     max_tokens: int,
-) -> GenerateRequest:
+) -> m.Generate:
     sampling = sampling_params(req, max_tokens)
     _check_ids(sampling.stop_token_ids, tokenizer, "stop_token_ids")
-    return GenerateRequest(request_id, req.model, ids, sampling, req.n)
+    return m.Generate(
+        request_id=request_id,
+        model=req.model,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        n=req.n,
+        stream_address="",  # the backend's own, filled in there
+    )
 
 
 def _prompt_ids(
     req: CompletionRequest, tokenizer: Tokenizer, max_model_len: int
 ) -> list[list[int]]:
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
+    given = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not given:
         raise invalid_request("prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]  # one prompt given as token ids
-    if len(prompt) > MAX_PROMPTS:
-        message = f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}"
+    # validated as one of Prompt's shapes: all ints is one prompt given as token ids
+    prompts: list[str] | list[list[int]]
+    if all(isinstance(p, int) for p in given):
+        prompts = [cast("list[int]", given)]
+    else:
+        prompts = cast("list[str] | list[list[int]]", given)
+    if len(prompts) > MAX_PROMPTS:
+        message = f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}"
         raise invalid_request(message, "prompt")
     out = []
-    for p in prompt:
+    for p in prompts:
         if isinstance(p, str):
             _check_text(p, "prompt")
             check_prompt_size(p, tokenizer, max_model_len, "prompt")
@@ -178,7 +202,7 @@ def _check_ids(ids: list[int], tokenizer: Tokenizer, param: str) -> None:
 
 
 def _max_tokens(
-    prompt_len: int, requested: int | None, default: int | None, model: ModelInfo, param: str
+    prompt_len: int, requested: int | None, default: int | None, model: m.ServedModel, param: str
 ) -> int:
     """``requested``, else ``default`` capped by the room left, else all the room left."""
     room = model.max_model_len - prompt_len

@@ -1,167 +1,35 @@
-"""A small Prometheus registry (text exposition format 0.0.4) and the gateway's metrics."""
+"""The gateway's metrics (``GatewayMetrics``, on ``/metrics``): its own requests' latencies,
+tokens and outcomes, each request's share recorded by a ``RunMetrics``; and the cluster's
+figures as the coordinator last reported them (``ClusterMetrics``). The Prometheus registry
+they live in is ``gateway.prometheus``."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum
 
-from pdserve.gateway.backend import WorkerStats
+from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
 from pdserve.protocol import messages as m
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
-LabelValues = tuple[str, ...]
-M = TypeVar("M", bound="_Metric")
 
+class Outcome(str, Enum):
+    """How a generation request ended: the ``outcome`` label of ``pdserve_requests_total``."""
 
-def format_value(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    return repr(float(value))
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    pairs = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + pairs + "}"
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        self.name, self.help, self.labelnames = name, help, tuple(labelnames)
-
-    def _key(self, labels: dict[str, str]) -> LabelValues:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {sorted(labels)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def header(self) -> list[str]:
-        help_text = self.help.replace("\\", "\\\\").replace("\n", "\\n")
-        return [f"# HELP {self.name} {help_text}", f"# TYPE {self.name} {self.kind}"]
-
-    def samples(self) -> list[str]:
-        raise NotImplementedError
-
-
-class _Valued(_Metric):
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labelnames)
-        self._values: dict[LabelValues, float] = {}
-        self.clear()
-
-    def clear(self) -> None:
-        self._values = {} if self.labelnames else {(): 0.0}
-
-    def value(self, **labels: str) -> float:
-        return self._values.get(self._key(labels), 0.0)
-
-    def samples(self) -> list[str]:
-        return [
-            f"{self.name}{_labels(self.labelnames, k)} {format_value(v)}"
-            for k, v in sorted(self._values.items())
-        ]
-
-
-class Counter(_Valued):
-    kind = "counter"
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
-        key = self._key(labels)
-        self._values[key] = self._values.get(key, 0.0) + amount
-
-
-class Gauge(_Valued):
-    kind = "gauge"
-
-    def set(self, value: float, **labels: str) -> None:
-        self._values[self._key(labels)] = float(value)
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(
-        self, name: str, help: str, buckets: Sequence[float], labelnames: Sequence[str] = ()
-    ) -> None:
-        super().__init__(name, help, labelnames)
-        if list(buckets) != sorted(set(buckets)) or not buckets:
-            raise ValueError(f"{name}: buckets must be increasing and distinct, got {buckets}")
-        self.buckets = [*[float(b) for b in buckets if b != math.inf], math.inf]
-        self._counts: dict[LabelValues, list[int]] = {}
-        self._sums: dict[LabelValues, float] = {}
-        if not labelnames:
-            self._counts[()], self._sums[()] = [0] * len(self.buckets), 0.0
-
-    def clear(self) -> None:
-        """Forget every labelled series (for figures replaced wholesale, as ``set_counts``)."""
-        if self.labelnames:
-            self._counts, self._sums = {}, {}
-
-    def set_counts(self, counts: Sequence[int], total: float, **labels: str) -> None:
-        """A series from totals kept elsewhere: ``counts`` per bucket (not cumulative)."""
-        if len(counts) != len(self.buckets):
-            raise ValueError(f"{self.name}: {len(self.buckets)} buckets, got {len(counts)}")
-        key = self._key(labels)
-        self._counts[key], self._sums[key] = list(counts), float(total)
-
-    def observe(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        counts = self._counts.setdefault(key, [0] * len(self.buckets))
-        for i, upper in enumerate(self.buckets):
-            if value <= upper:
-                counts[i] += 1
-                break
-        self._sums[key] = self._sums.get(key, 0.0) + value
-
-    def count(self, **labels: str) -> int:
-        return sum(self._counts.get(self._key(labels), []))
-
-    def samples(self) -> list[str]:
-        lines = []
-        for key, counts in sorted(self._counts.items()):
-            cumulative = 0
-            for upper, n in zip(self.buckets, counts, strict=True):
-                cumulative += n
-                labels = _labels((*self.labelnames, "le"), (*key, format_value(upper)))
-                lines.append(f"{self.name}_bucket{labels} {cumulative}")
-            labels = _labels(self.labelnames, key)
-            lines.append(f"{self.name}_sum{labels} {format_value(self._sums[key])}")
-            lines.append(f"{self.name}_count{labels} {cumulative}")
-        return lines
-
-
-class Registry:
-    def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
-
-    def add(self, metric: M) -> M:
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name} is already registered")
-        self._metrics[metric.name] = metric
-        return metric
-
-    def render(self) -> str:
-        lines = []
-        for metric in self._metrics.values():
-            lines += metric.header() + metric.samples()
-        return "\n".join(lines) + "\n"
+    SUCCESS = "success"
+    ABORTED = "aborted"  # the client left, or a drain ended it
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"  # 429 or 503 before it ran
+    INVALID = "invalid"  # any other 4xx
 
 
 class GatewayMetrics:
+    """Every metric the gateway exposes: this gateway's requests here, the cluster's in
+    ``cluster``."""
+
     def __init__(self) -> None:
         self.registry = r = Registry()
         self.ttft = r.add(
@@ -202,6 +70,21 @@ class GatewayMetrics:
         self.in_flight = r.add(
             Gauge("pdserve_gateway_requests_in_flight", "Generation requests in this gateway.")
         )
+        self.cluster = ClusterMetrics(r)
+
+    def render(
+        self, stats: Iterable[m.WorkerStatus] = (), routing: Mapping[str, int] | None = None
+    ) -> str:
+        self.cluster.set(stats, routing or {})
+        return self.registry.render()
+
+
+class ClusterMetrics:
+    """The workers' load and totals and the coordinator's routing decisions, as it last reported
+    them (``ClusterState``): replaced wholesale at each render, so a worker that left
+    disappears."""
+
+    def __init__(self, r: Registry) -> None:
         worker = ["role", "worker"]
         self.kv_used = r.add(Gauge("pdserve_kv_blocks_used", "KV blocks in use.", worker))
         self.kv_total = r.add(Gauge("pdserve_kv_blocks_total", "KV blocks in all.", worker))
@@ -250,31 +133,73 @@ class GatewayMetrics:
             )
         )
 
-    def set_workers(self, stats: Iterable[WorkerStats]) -> None:
-        """Replace the per-worker gauges, so a worker that left disappears."""
+    def set(self, stats: Iterable[m.WorkerStatus], routing: Mapping[str, int]) -> None:
+        self.set_workers(stats)
+        self.routing.clear()  # the coordinator's own totals, as it last reported them
+        for reason, count in routing.items():
+            self.routing.inc(count, reason=reason)
+
+    def set_workers(self, stats: Iterable[m.WorkerStatus]) -> None:
         gauges = (self.kv_used, self.kv_total, self.running, self.waiting)
         totals = (self.prefix_hits, self.prefill_computed, self.kv_blocks_sent, self.kv_bytes_sent)
         for metric in (*gauges, *totals, self.transfer_time):
             metric.clear()
         for s in stats:
-            values = (s.kv_blocks_used, s.kv_blocks_total, s.requests_running, s.requests_waiting)
-            for gauge, value in zip(gauges, values, strict=True):
-                gauge.set(value, role=s.role, worker=s.worker)
+            labels = {"role": s.role, "worker": s.worker_id}
+            for gauge, value in zip(
+                gauges, (s.used_blocks, s.total_blocks, s.running, s.waiting), strict=True
+            ):
+                gauge.set(value, **labels)
             # the workers' own totals, as they last reported them
             c = s.counters
             counts = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
             for counter, count in zip(totals, counts, strict=True):
-                counter.inc(count, role=s.role, worker=s.worker)
+                counter.inc(count, **labels)
             if c.transfer_seconds_counts:
                 self.transfer_time.set_counts(
-                    c.transfer_seconds_counts, c.transfer_seconds_sum, role=s.role, worker=s.worker
+                    c.transfer_seconds_counts, c.transfer_seconds_sum, **labels
                 )
 
-    def render(
-        self, stats: Iterable[WorkerStats] = (), routing: Mapping[str, int] | None = None
-    ) -> str:
-        self.set_workers(stats)
-        self.routing.clear()  # the coordinator's own totals, as it last reported them
-        for reason, count in (routing or {}).items():
-            self.routing.inc(count, reason=reason)
-        return self.registry.render()
+
+class RunMetrics:
+    """What one request adds to ``GatewayMetrics`` (none: nothing): its prompt tokens once
+    admitted, the time to its first token, the gaps between each choice's tokens, the tokens
+    streamed, and its outcome, with its whole latency when it succeeded."""
+
+    def __init__(
+        self, metrics: GatewayMetrics | None, clock: Callable[[], float], arrival: float
+    ) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._arrival = arrival
+        self._first_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}  # choice -> its last update's time
+
+    def admitted(self, prompt_tokens: int) -> None:
+        if self._metrics is not None:
+            self._metrics.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, choice: int, num_tokens: int) -> None:
+        """``num_tokens`` more of ``choice`` streamed, now."""
+        if self._metrics is None:
+            return
+        now = self._clock()
+        if self._first_token_at is None:
+            self._first_token_at = now
+            self._metrics.ttft.observe(now - self._arrival)
+        # The tokens of one update share the time since the choice's previous update; after
+        # the choice's first token, its batch-mates arrived with it (out-of-order arrivals).
+        last = self._last_token_at.get(choice)
+        gaps = (
+            [0.0] * (num_tokens - 1) if last is None else [(now - last) / num_tokens] * num_tokens
+        )
+        for gap in gaps:
+            self._metrics.itl.observe(gap)
+        self._last_token_at[choice] = now
+        self._metrics.generation_tokens.inc(num_tokens)
+
+    def ended(self, outcome: Outcome) -> None:
+        if self._metrics is not None:
+            self._metrics.requests.inc(outcome=outcome.value)
+            if outcome is Outcome.SUCCESS:
+                self._metrics.e2e.observe(self._clock() - self._arrival)

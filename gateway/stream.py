@@ -1,5 +1,5 @@
 """OpenAI response bodies: ``chat.completion`` / ``text_completion`` objects, their streamed
-chunks as server-sent events, and the two consumers of a ``Generation`` that build them.
+chunks as server-sent events, and the two consumers of a ``JobRun`` that build them.
 
 A stream, as OpenAI sends it (every chunk has one id and ``created``):
 
@@ -30,9 +30,9 @@ from starlette.types import Message, Send
 from pdserve.gateway.backend import BackendError
 from pdserve.gateway.choices import ChoiceUpdate
 from pdserve.gateway.errors import OpenAIError, from_backend, internal
-from pdserve.gateway.generation import Generation, Usage
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
+from pdserve.gateway.run import JobRun, Usage
 from pdserve.gateway.tools.calls import accumulate, delta_json
 from pdserve.gateway.tools.output import ToolOutput
 
@@ -169,15 +169,15 @@ def error_body(error: BaseException) -> OpenAIError:
     return from_backend(error) if isinstance(error, BackendError) else internal(error)
 
 
-async def stream_events(gen: Generation) -> AsyncIterator[str]:
-    """The SSE body of a started generation; always ends with ``[DONE]``."""
-    job = gen.job
+async def stream_events(run: JobRun) -> AsyncIterator[str]:
+    """The SSE body of a started run; always ends with ``[DONE]``."""
+    job = run.job
     started: set[int] = set()
     pending: dict[int, list[LogprobEntry]] = {i: [] for i in range(job.num_choices)}
     tools = ToolOutput.of(job.tools, job.num_choices)
     events = ChunkEvents(job)
     try:
-        async with aclosing(gen.updates()) as updates:
+        async with aclosing(run.updates()) as updates:
             async for update in updates:
                 if tools is not None:
                     update = tools.apply(update)
@@ -187,10 +187,10 @@ async def stream_events(gen: Generation) -> AsyncIterator[str]:
                     continue  # text held back (partial character, possible stop string)
                 started.add(update.index)
                 logprobs, pending[update.index] = pending[update.index], []
-                usage = gen.usage if job.continuous_usage else None  # so far, vLLM's way
+                usage = run.usage if job.continuous_usage else None  # so far, vLLM's way
                 yield events.event(chunk_choice(job, update, first, logprobs), usage)
         if job.include_usage:
-            yield sse(chunk_body(job, [], gen.usage))
+            yield sse(chunk_body(job, [], run.usage))
     except Exception as e:
         error = error_body(e)
         log.warning("request %s: %d %s", job.response_id, error.status, error.message)
@@ -201,8 +201,8 @@ async def stream_events(gen: Generation) -> AsyncIterator[str]:
 class BoundedStreamingResponse(StreamingResponse):
     """A ``StreamingResponse`` whose client must take each write within ``send_timeout_s``:
     one that stays behind (its socket buffer full that long) is cut off, the connection
-    closed, and ``on_cut`` runs (it ends the generation). Memory per stream stays bounded by
-    the socket buffer and the generation's backlog."""
+    closed, and ``on_cut`` runs (it ends the run). Memory per stream stays bounded by the
+    socket buffer and the run's backlog."""
 
     def __init__(
         self,
@@ -233,11 +233,11 @@ class BoundedStreamingResponse(StreamingResponse):
                 await aclose()
 
 
-async def collect(gen: Generation) -> dict[str, Any]:
-    """The non-streaming response body of a started generation."""
-    results = [ChoiceResult() for _ in range(gen.job.num_choices)]
-    tools = ToolOutput.of(gen.job.tools, gen.job.num_choices)
-    async with aclosing(gen.updates()) as updates:
+async def collect(run: JobRun) -> dict[str, Any]:
+    """The non-streaming response body of a started run."""
+    results = [ChoiceResult() for _ in range(run.job.num_choices)]
+    tools = ToolOutput.of(run.job.tools, run.job.num_choices)
+    async with aclosing(run.updates()) as updates:
         async for update in updates:
             if tools is not None:
                 update = tools.apply(update)
@@ -246,4 +246,4 @@ async def collect(gen: Generation) -> dict[str, Any]:
             accumulate(result.tool_calls, update.tool_calls)
             result.logprobs += update.logprobs
             result.finish_reason = update.finish_reason or result.finish_reason
-    return response_body(gen.job, results, gen.usage)
+    return response_body(run.job, results, run.usage)

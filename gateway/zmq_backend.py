@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,12 +37,12 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from pdserve.gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
+from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.request_stream import Pending, choice_events, until_accepted
 from pdserve.protocol import messages as m
-from pdserve.protocol import security
 from pdserve.protocol.codec import ProtocolError, decode, encode
-from pdserve.protocol.sockets import bound_address, make_socket
+from pdserve.runtime import security
+from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ RESTART_QUIET_S = 1.0  # a stream quiet this long when the coordinator restarts 
 
 
 class ZmqBackend(Backend):
+    """The cluster over ZeroMQ: owns the two sockets, the requests in flight (a ``Pending`` each,
+    by request id) and the coordinator's last ``ClusterState``."""
+
     def __init__(
         self,
         coordinator_address: str,
@@ -89,7 +93,7 @@ class ZmqBackend(Backend):
             self.stream_address = bound_address(self._stream)
             # IMMEDIATE: with no live connection a send fails at once (503), never queues.
             # No high-water mark: a live but busy coordinator must never lose an Abort.
-            options = {zmq.IMMEDIATE: 1, zmq.SNDHWM: 0}
+            options: dict[int, int] = {zmq.IMMEDIATE: 1, zmq.SNDHWM: 0}
             self._coordinator = make_socket(
                 self._ctx, zmq.PUSH, self.coordinator_address, bind=False, options=options
             )
@@ -119,20 +123,13 @@ class ZmqBackend(Backend):
 
     # ---- Backend -----------------------------------------------------------------------------
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[m.TokenChunk]:
+    async def submit(self, request: m.Generate) -> AsyncIterator[m.TokenChunk]:
         rid = request.request_id
         if self._coordinator is None:
             raise BackendError("the gateway is not connected to a coordinator", 503)
         if rid in self._pending:
             raise BackendError(f"request id {rid} is already in flight", 500)
-        generate = m.Generate(
-            request_id=rid,
-            model=request.model,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling=request.sampling,
-            n=request.n,
-            stream_address=self.stream_address,
-        )
+        generate = dataclasses.replace(request, stream_address=self.stream_address)
         try:
             frames = encode(generate)
         except ProtocolError as e:
@@ -159,14 +156,8 @@ class ZmqBackend(Backend):
         if not await self._send(encode(m.Abort(request_id, "gateway"))):
             log.warning("abort of %s not sent: the coordinator is unreachable", request_id)
 
-    def models(self) -> list[ModelInfo]:
-        if self._state is None:
-            return []
-        return [
-            ModelInfo(id=s.name, root=s.root, max_model_len=s.max_model_len)
-            for s in self._state.models
-            if s.ready
-        ]
+    def models(self) -> list[m.ServedModel]:
+        return [] if self._state is None else [s for s in self._state.models if s.ready]
 
     def model_roots(self) -> dict[str, str]:
         """name -> model directory of every model the cluster names, ready or not."""
@@ -177,15 +168,8 @@ class ZmqBackend(Backend):
             self._fresh() and self._state is not None and any(s.ready for s in self._state.models)
         )
 
-    def worker_stats(self) -> list[WorkerStats]:
-        if self._state is None:
-            return []
-        return [
-            WorkerStats(
-                w.role, w.worker_id, w.used_blocks, w.total_blocks, w.running, w.waiting, w.counters
-            )
-            for w in self._state.workers
-        ]
+    def worker_stats(self) -> list[m.WorkerStatus]:
+        return [] if self._state is None else list(self._state.workers)
 
     def routing_decisions(self) -> dict[str, int]:
         return {} if self._state is None else dict(self._state.routing)

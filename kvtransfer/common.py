@@ -48,7 +48,13 @@ def layout_of(kv_layers: Sequence[torch.Tensor]) -> KVLayout:
                 f"layer 0 is {list(first.shape)} {first.dtype}"
             )
     _, _, block_size, heads, head_dim = first.shape
-    return KVLayout(block_size, dtype_name(first.dtype), len(kv_layers), heads, head_dim)
+    return KVLayout(
+        block_size=block_size,
+        dtype=dtype_name(first.dtype),
+        num_layers=len(kv_layers),
+        num_kv_heads=heads,
+        head_dim=head_dim,
+    )
 
 
 def check_host_layers(kv_layers: Sequence[torch.Tensor]) -> KVLayout:

@@ -15,7 +15,7 @@ CUDA IPC handles cannot be opened by the process that exported them: the two end
 different processes on one node (pdserve's prefill and decode workers are). A copy already
 granted cannot be recalled: ``release`` waits up to ``RELEASE_GRACE_S`` for it to land.
 
-NOT yet run on a GPU; ``bench/gpu.py`` checks tokens through it and measures its bandwidth.
+NOT yet run on a GPU; ``bench/micro/gpu.py`` checks tokens through it and measures its bandwidth.
 """
 
 from __future__ import annotations

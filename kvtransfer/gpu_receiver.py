@@ -32,7 +32,7 @@ from pdserve.kvtransfer.base import (
     check_layouts,
 )
 from pdserve.protocol.codec import ProtocolError
-from pdserve.protocol.sockets import bound_address, make_socket
+from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger("pdserve.kvtransfer.gpu")
 

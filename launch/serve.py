@@ -127,10 +127,9 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
         value = getattr(args, flag)
         if value is not None:
             common.append(f"--{flag.replace('_', '-')}={value}")
-    if args.no_prefix_caching:
-        common.append("--no-prefix-caching")
-    if args.enforce_eager:
-        common.append("--enforce-eager")
+    for switch in ("no_prefix_caching", "enforce_eager", "compile"):  # flags without a value
+        if getattr(args, switch):
+            common.append(f"--{switch.replace('_', '-')}")
     pdserve = pdserve_command()
     if args.mode == "colocated":
         roles = [["decode", "--colocated"]] * num_workers
@@ -152,7 +151,7 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.models.store import resolve_model
 
     try:  # pulled here, once, so the workers start from the cache
         model = os.path.abspath(resolve_model(args.model, args.dtype))
@@ -166,86 +165,105 @@ def run_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
-    address_file = run_dir / "coordinator"
-    pdserve = pdserve_command()
     roles = ["coordinator", "gateway", *(_worker_id(c) for c in worker_commands(args, "", ""))]
     keys = _keys(run_dir, roles, args.insecure)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
-    coordinator = Child(
-        "coordinator",
-        [
-            *pdserve,
-            "coordinator",
-            "--bind=tcp://127.0.0.1:0",
-            f"--address-file={address_file}",
-            *routing_flags(args),
-            *keys("coordinator"),
-        ],
-    )
-    workers: list[Child] = []
-    gateway: Child | None = None
+    cluster = Cluster(args, keys, run_dir / "coordinator")
     try:
-        coordinator.start()
-        address = wait_for_file(address_file, coordinator, 30.0)
-        # a restart rebinds the same address
-        coordinator.cmd = [
-            *pdserve,
-            "coordinator",
-            f"--bind={address}",
-            *routing_flags(args),
-            *keys("coordinator"),
-        ]
-        workers = [
-            Child(_role(cmd), [*cmd, *keys(_worker_id(cmd))])
-            for cmd in worker_commands(args, address, model)
-        ]
-        gateway = Child(
-            "gateway",
-            [
-                *pdserve,
-                "gateway",
-                f"--coordinator={address}",
-                f"--host={args.host}",
-                f"--port={args.port}",
-                f"--drain-timeout={args.drain_timeout}",
-                f"--max-migrations={args.max_migrations}",
-                *api_flags,
-                *keys("gateway"),
-            ],
-        )
-        children = [coordinator, *workers, gateway]
-        for child in children[1:]:
-            child.start()
-        url = f"http://{args.host}:{args.port}"
-        ready_by = time.monotonic() + args.ready_timeout
-        ready = False
-        while not stopping.wait(0.2):
-            for child in children:
-                if not child.alive():
-                    restart(child, args.max_restarts)
-            if not ready:
-                ready = _healthy(url)
-                if ready:
-                    print(f"pdserve is serving {model} ({args.mode}) at {url}/v1", flush=True)
-                elif time.monotonic() > ready_by:
-                    raise RuntimeError(f"not healthy within {args.ready_timeout:.0f}s")
+        cluster.start(model, api_flags)
+        _supervise(cluster, args, model, stopping)
         return 0
     except RuntimeError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
     finally:
-        # the gateway first: it drains its streams while the workers still serve them
-        if gateway is not None:
-            gateway.stop(args.drain_timeout + 10)
-        for child in workers:
+        cluster.stop(args.drain_timeout)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class Cluster:
+    """The role processes of one ``pdserve serve`` and their command lines: the coordinator
+    starts first (the others need its address), the gateway stops first (it drains its streams
+    while the workers still serve them)."""
+
+    def __init__(
+        self, args: argparse.Namespace, keys: Callable[[str], list[str]], address_file: Path
+    ) -> None:
+        self.args = args
+        self.keys = keys
+        self.address_file = address_file
+        self.pdserve = pdserve_command()
+        bind = "tcp://127.0.0.1:0"
+        self.coordinator = Child("coordinator", self._coordinator(bind, address_file))
+        self.workers: list[Child] = []
+        self.gateway: Child | None = None
+
+    def _coordinator(self, bind: str, address_file: Path | None = None) -> list[str]:
+        cmd = [*self.pdserve, "coordinator", f"--bind={bind}"]
+        if address_file is not None:
+            cmd.append(f"--address-file={address_file}")
+        return [*cmd, *routing_flags(self.args), *self.keys("coordinator")]
+
+    def _gateway(self, address: str, api_flags: list[str]) -> list[str]:
+        args = self.args
+        return [
+            *self.pdserve,
+            "gateway",
+            f"--coordinator={address}",
+            f"--host={args.host}",
+            f"--port={args.port}",
+            f"--drain-timeout={args.drain_timeout}",
+            f"--max-migrations={args.max_migrations}",
+            *api_flags,
+            *self.keys("gateway"),
+        ]
+
+    def start(self, model: str, api_flags: list[str]) -> None:
+        self.coordinator.start()
+        address = wait_for_file(self.address_file, self.coordinator, 30.0)
+        self.coordinator.cmd = self._coordinator(address)  # a restart rebinds the same address
+        self.workers = [
+            Child(_role(cmd), [*cmd, *self.keys(_worker_id(cmd))])
+            for cmd in worker_commands(self.args, address, model)
+        ]
+        self.gateway = Child("gateway", self._gateway(address, api_flags))
+        for child in self.children()[1:]:
+            child.start()
+
+    def children(self) -> list[Child]:
+        return [self.coordinator, *self.workers, *([self.gateway] if self.gateway else [])]
+
+    def stop(self, drain_timeout: float) -> None:
+        if self.gateway is not None:
+            self.gateway.stop(drain_timeout + 10)
+        for child in self.workers:
             if child.alive():
                 child.proc.send_signal(signal.SIGTERM)
-        for child in workers:
-            child.stop(args.drain_timeout + 10)
-        coordinator.stop(10)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for child in self.workers:
+            child.stop(drain_timeout + 10)
+        self.coordinator.stop(10)
+
+
+def _supervise(
+    cluster: Cluster, args: argparse.Namespace, model: str, stopping: threading.Event
+) -> None:
+    """Restart every role that dies until ``stopping``; say once when the gateway is healthy
+    (or raise if it is not within ``--ready-timeout``)."""
+    url = f"http://{args.host}:{args.port}"
+    ready_by = time.monotonic() + args.ready_timeout
+    ready = False
+    while not stopping.wait(0.2):
+        for child in cluster.children():
+            if not child.alive():
+                restart(child, args.max_restarts)
+        if not ready:
+            ready = _healthy(url)
+            if ready:
+                print(f"pdserve is serving {model} ({args.mode}) at {url}/v1", flush=True)
+            elif time.monotonic() > ready_by:
+                raise RuntimeError(f"not healthy within {args.ready_timeout:.0f}s")
 
 
 def _keys(run_dir: Path, names: list[str], insecure: bool) -> Callable[[str], list[str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.worker.args import add_worker_args
 from pdserve.worker.process import RoleParts, WorkerContext, run_worker
 
@@ -12,10 +13,19 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     g = add_worker_args(parser)
     g.add_argument(
         "--kv-fault",
+        type=_fault_plan,
         default=None,
         metavar="MODE[:RATE[:DELAY_S]]",
         help="inject transfer faults (testing): drop, delay, truncate, corrupt",
     )
+
+
+def _fault_plan(text: str) -> FaultPlan:
+    """``--kv-fault``, checked when the flags are parsed (before the model loads)."""
+    try:
+        return FaultPlan.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -27,10 +37,14 @@ def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
     from pdserve.prefill.worker import PrefillWorker
 
     options = dict(ctx.transport_options)
-    if args.kv_fault:
-        from pdserve.kvtransfer.faults import FaultPlan
-
-        options["fault"] = FaultPlan.parse(args.kv_fault)
+    if args.kv_fault is not None:
+        options["fault"] = args.kv_fault
     transport = make_sender(args.transfer_backend, checksum=args.kv_checksum, **options)
-    worker = PrefillWorker(ctx.engine, transport, ctx.worker_id, ctx.outbox, args.transfer_timeout)
-    return RoleParts(worker, transport)
+    worker = PrefillWorker(
+        engine=ctx.engine,
+        sender=transport,
+        worker_id=ctx.worker_id,
+        outbox=ctx.outbox,
+        transfer_timeout_s=args.transfer_timeout,
+    )
+    return RoleParts(worker=worker, transport=transport)

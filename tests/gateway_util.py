@@ -1,6 +1,7 @@
 """Gateway test helpers: a scripted fake backend (a test double for the ZMQ client), a fake
 cluster (a test double for the coordinator and its workers, over real ZMQ sockets), a real
-uvicorn server on a free loopback port, and a strict parser of the Prometheus text format."""
+uvicorn server on a free loopback port, a strict parser of the Prometheus text format, and waits
+on events (with deadlines that only catch hangs)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import json
 import math
 import re
 import socket
@@ -24,20 +26,43 @@ from fastapi import FastAPI
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import AdmissionState
 from pdserve.gateway.app import create_app
-from pdserve.gateway.backend import Backend, BackendError, GenerateRequest, ModelInfo, WorkerStats
+from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.reorder import ChoiceOrder
 from pdserve.protocol import messages as m
 from pdserve.protocol.codec import encode
-from pdserve.protocol.sockets import bound_address, make_socket, recv_msg
+from pdserve.runtime.sockets import bound_address, make_socket, recv_msg
 
 
 def fake_logprobs(token_id: int, index: int, k: int, vocab_size: int) -> m.TokenLogprob:
     """Deterministic logprobs: -(index + 1) / 10 for the sampled token, alternatives below it."""
     lp = -(index + 1) / 10
     top = [((token_id + j) % vocab_size, lp - j) for j in range(k)]
-    return m.TokenLogprob(token_id, lp, 1, top)
+    return m.TokenLogprob(token_id=token_id, logprob=lp, rank=1, top=top)
+
+
+def generate(
+    request_id: str, prompt_token_ids: list[int], sampling: m.SamplingParams, n: int = 1
+) -> m.Generate:
+    """A backend request for model "tiny", as the app makes it (no stream address: the backend
+    fills in its own)."""
+    return m.Generate(
+        request_id=request_id,
+        model="tiny",
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        n=n,
+        stream_address="",
+    )
+
+
+def served_model(name: str, max_model_len: int, root: str | None = None) -> m.ServedModel:
+    """A model ready to serve, as the coordinator's ``ClusterState`` lists it (root
+    ``/models/<name>`` unless given)."""
+    return m.ServedModel(
+        name=name, root=root or f"/models/{name}", max_model_len=max_model_len, ready=True
+    )
 
 
 @dataclass
@@ -60,7 +85,7 @@ class Script:
     vocab_size: int = 2048
 
 
-def plan(request: GenerateRequest, script: Script) -> list[m.TokenChunk]:
+def plan(request: m.Generate, script: Script) -> list[m.TokenChunk]:
     """The chunks prefill + decode workers would send, in the order they arrive."""
     max_tokens = request.sampling.max_tokens
     k = request.sampling.logprobs
@@ -112,11 +137,11 @@ def _round_robin(lists: list[list[m.TokenChunk]]) -> list[list[m.TokenChunk]]:
 class FakeBackend(Backend):
     """Test double for the ZMQ client: replays ``script`` for every submitted request."""
 
-    model_infos: list[ModelInfo]
+    model_infos: list[m.ServedModel]
     script: Script = field(default_factory=lambda: Script([[1]]))
     healthy: bool = True
-    stats: list[WorkerStats] = field(default_factory=list)
-    submitted: list[GenerateRequest] = field(default_factory=list)
+    stats: list[m.WorkerStatus] = field(default_factory=list)
+    submitted: list[m.Generate] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
 
@@ -125,7 +150,7 @@ class FakeBackend(Backend):
         self.submitted.clear()
         self.aborted.clear()
 
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[m.TokenChunk]:
+    async def submit(self, request: m.Generate) -> AsyncIterator[m.TokenChunk]:
         script = self.script
         if script.crash_on_submit:
             raise RuntimeError("client bug")
@@ -137,9 +162,7 @@ class FakeBackend(Backend):
         self._abort_events[request.request_id] = asyncio.Event()
         return self._events(request, script)
 
-    async def _events(
-        self, request: GenerateRequest, script: Script
-    ) -> AsyncIterator[m.TokenChunk]:
+    async def _events(self, request: m.Generate, script: Script) -> AsyncIterator[m.TokenChunk]:
         """The plan's chunks as they arrive, through the reorder every backend uses."""
         orders = [ChoiceOrder() for _ in range(request.n)]
         for i, chunk in enumerate(plan(request, script)):
@@ -158,13 +181,13 @@ class FakeBackend(Backend):
         if request_id in self._abort_events:
             self._abort_events[request_id].set()
 
-    def models(self) -> list[ModelInfo]:
+    def models(self) -> list[m.ServedModel]:
         return self.model_infos
 
     def health(self) -> bool:
         return self.healthy
 
-    def worker_stats(self) -> list[WorkerStats]:
+    def worker_stats(self) -> list[m.WorkerStatus]:
         return self.stats
 
 
@@ -233,7 +256,7 @@ class FakeCluster:
 
     def _send(self, role: str, address: str, msg: m.Message | m.TokenChunk) -> None:
         if isinstance(msg, m.TokenChunk):  # workers send a step's chunks as one batch
-            msg = m.TokenBatch([msg])
+            msg = m.TokenBatch(chunks=[msg])
         sock = self._senders.get((role, address))
         if sock is None:
             sock = make_socket(self._ctx, zmq.PUSH, address, bind=False)
@@ -243,9 +266,17 @@ class FakeCluster:
 
 def chunk(g: m.Generate, choice: int, index: int, ids: list[int], **kw: Any) -> m.TokenChunk:
     finish = kw.pop("finish_reason", None)
-    return m.TokenChunk(g.request_id, choice, index, ids, kw.pop("logprobs", None),
-                        finished=finish is not None, finish_reason=finish,
-                        num_prompt_tokens=len(g.prompt_token_ids), num_cached_tokens=0)  # fmt: skip
+    return m.TokenChunk(
+        request_id=g.request_id,
+        choice=choice,
+        index=index,
+        token_ids=ids,
+        logprobs=kw.pop("logprobs", None),
+        finished=finish is not None,
+        finish_reason=finish,
+        num_prompt_tokens=len(g.prompt_token_ids),
+        num_cached_tokens=0,
+    )
 
 
 @dataclass
@@ -277,7 +308,7 @@ def running_server(app: FastAPI) -> Iterator[str]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not server.started:
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
@@ -289,13 +320,36 @@ def running_server(app: FastAPI) -> Iterator[str]:
         sock.close()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` passes (False). The deadline only
+    catches a hang: a loaded machine may take long, and a test never measures speed with it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(0.01)
     return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    """``wait_for``, failing with ``what`` (the event waited on) when the deadline passes."""
+    if not wait_for(predicate, timeout):
+        raise AssertionError(f"not within {timeout:g} s: {what or predicate}")
+
+
+@contextlib.contextmanager
+def abandoned_post(url: str, path: str, body: dict[str, Any]) -> Iterator[socket.socket]:
+    """POST ``body`` on a bare connection that hangs up when the block ends: a client that goes
+    away at a moment the test chooses (once the request is in), not at a client timeout."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + payload)
+        yield sock
 
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
@@ -362,7 +416,7 @@ def _check_histogram(name: str, samples: dict) -> None:
 
 # ---- shared by the gateway hardening tests ---------------------------------------------------
 
-MODELS = [ModelInfo("tiny", "/models/tiny", max_model_len=256)]
+MODELS = [served_model("tiny", max_model_len=256)]
 COMPLETION = {"model": "tiny", "prompt": "Hi"}
 Serve = Callable[..., Served]
 

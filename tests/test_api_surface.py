@@ -18,11 +18,10 @@ import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.api_extras import system_fingerprint
-from pdserve.gateway.backend import ModelInfo
 from pdserve.gateway.config import GatewayConfig
-from tests.gateway_util import FakeBackend, Script, Served, serving_config
+from tests.gateway_util import FakeBackend, Script, Served, served_model, serving_config
 
-TINY = ModelInfo("tiny", "/models/tiny", max_model_len=64, created=1700000000)
+TINY = served_model("tiny", max_model_len=64)
 ALIASES = (("tiny-alias", "tiny"), ("org/tiny", "tiny"))
 KEY = {"Authorization": "Bearer sk-test"}
 TEMPLATE = (
@@ -122,7 +121,7 @@ def test_models_version_and_aliases(url: str, server: Served, tok: Tokenizer) ->
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias", "org/tiny"]
     card = httpx.get(f"{url}/v1/models/org/tiny").json()  # a name with a slash
-    assert card == {"id": "org/tiny", "object": "model", "created": 1700000000,
+    assert card == {"id": "org/tiny", "object": "model", "created": 0,
                     "owned_by": "pdserve", "root": "/models/tiny", "parent": None,
                     "max_model_len": 64}  # fmt: skip
     assert client.models.retrieve("tiny").id == "tiny"

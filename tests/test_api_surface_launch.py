@@ -175,3 +175,15 @@ def test_flags_are_json_lists_or_commas() -> None:
         list_arg("[1, 2]")
     with pytest.raises(json.JSONDecodeError):
         list_arg("[oops")
+
+
+def test_serve_forwards_switches_to_every_worker() -> None:
+    """`serve --compile --enforce-eager --no-prefix-caching` reaches each worker's command
+    (--compile was once accepted and dropped)."""
+    args = serve_args("--compile", "--enforce-eager", "--no-prefix-caching")
+    commands = worker_commands(args, "tcp://127.0.0.1:1", "/models/tiny")
+    assert len(commands) == 2
+    for cmd in commands:
+        assert {"--compile", "--enforce-eager", "--no-prefix-caching"} <= set(cmd)
+    for cmd in worker_commands(serve_args(), "tcp://127.0.0.1:1", "/models/tiny"):
+        assert not {"--compile", "--enforce-eager", "--no-prefix-caching"} & set(cmd)

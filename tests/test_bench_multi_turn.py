@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 
+from pdserve.bench import multi_turn
 from pdserve.bench.client import StreamParser, Target
 from pdserve.bench.metrics import RequestOutput, per_turn, summarize
 from pdserve.bench.multi_turn import (
@@ -153,9 +155,10 @@ def test_per_turn_figures_are_exact() -> None:
     assert table[i + 5].split()[:5] == ["3+", "3", "0", "110", "80"]
 
 
-def fake_server(conversations, fail: tuple[int, int]):
+def fake_server(conversations, fail: tuple[int, int], clock=time.perf_counter):
     """An async handler answering ``ans-C-T`` (conversation C, turn T) and checking every
-    request carries the answers given before; conversation and turn ``fail`` get a 500."""
+    request carries the answers given before; conversation and turn ``fail`` get a 500.
+    ``log["gaps"]``: ``clock`` time from an answer to its conversation's next turn."""
     index = {c.users[0]: i for i, c in enumerate(conversations)}
     log: dict = {"active": set(), "max_active": 0, "bodies": [], "gaps": [], "answered": {}}
 
@@ -168,7 +171,7 @@ def fake_server(conversations, fail: tuple[int, int]):
         assert users == list(conversations[c].users[:turn])
         assert assistants == [f"ans-{c}-{t}" for t in range(1, turn)]
         if turn > 1:
-            log["gaps"].append(time.perf_counter() - log["answered"][c])
+            log["gaps"].append(clock() - log["answered"][c])
         log["active"].add(c)
         log["max_active"] = max(log["max_active"], len(log["active"]))
         await asyncio.sleep(0.01)
@@ -184,17 +187,42 @@ def fake_server(conversations, fail: tuple[int, int]):
         }
         chunks = [{"choices": [{"index": 0, "delta": {"content": f"ans-{c}-{turn}"}}]}]
         chunks.append({"choices": [], "usage": usage})
-        log["answered"][c] = time.perf_counter()
+        log["answered"][c] = clock()
         text = "".join(f"data: {json.dumps(x)}\n\n" for x in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
 
     return handler, log
 
 
-def test_conversations_run_turn_by_turn_within_the_concurrency() -> None:
+class FakeClock:
+    """The run's clock, moved only by the run's own sleeps (think time), never by the
+    machine's load: ``time`` and ``asyncio`` for the multi_turn module."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)  # let the other conversations run
+
+    def __getattr__(self, name: str) -> object:  # the rest of asyncio, as it is
+        return getattr(asyncio, name)
+
+
+def test_conversations_run_turn_by_turn_within_the_concurrency(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     spec = MultiTurnSpec(conversations=5, turns=3, system_len=6, user_len=3, output_len=2)
     conversations = convs(spec)
-    handler, log = fake_server(conversations, fail=(4, 2))
+    clock = FakeClock()
+    monkeypatch.setattr(multi_turn, "time", clock)
+    monkeypatch.setattr(multi_turn, "asyncio", clock)
+    handler, log = fake_server(conversations, fail=(4, 2), clock=clock.perf_counter)
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
@@ -203,7 +231,8 @@ def test_conversations_run_turn_by_turn_within_the_concurrency() -> None:
 
     outputs, duration = asyncio.run(go())
     assert log["max_active"] == 2  # conversations in flight, think time included
-    assert min(log["gaps"]) >= 0.05 and len(log["gaps"]) == 4 * 2 + 1
+    # every next turn came after the think time: 9 of them (4 conversations x 2, 1 failed)
+    assert min(log["gaps"]) >= 0.05 - 1e-9 and len(log["gaps"]) == 4 * 2 + 1
     assert len(outputs) == 4 * 3 + 2 and [o.error for o in outputs if not o.success] == [
         "HTTP 500: injected"
     ]
@@ -219,22 +248,40 @@ def test_conversations_run_turn_by_turn_within_the_concurrency() -> None:
     # words: system 6 + users 3 each + answers 1 each: 9, 13, 17 per conversation
     assert [pt[k]["prompt_tokens"] for k in pt] == [45, 52, 68, 68]
     assert [pt[k]["cached_tokens"] for k in pt] == [0, 40, 80, 80]
-    assert duration >= 3 * 0.01 + 2 * 0.05
+    # the run's only waits are the 9 think times (a start time of 0 waits 0)
+    assert sorted(set(clock.sleeps)) == [0.0, 0.05] and clock.sleeps.count(0.05) == 9
+    assert duration == pytest.approx(9 * 0.05)
 
     with pytest.raises(ValueError, match="chat/completions"):
         asyncio.run(run_conversations(None, Target("http://x"), conversations, RunSpec()))
 
 
-def test_no_turn_starts_after_the_duration() -> None:
+def test_no_turn_starts_after_the_duration(monkeypatch: pytest.MonkeyPatch) -> None:
     conversations = convs(MultiTurnSpec(conversations=2, turns=3, system_len=4, user_len=2))
     handler, _ = fake_server(conversations, fail=(-1, -1))
+    now = [0.0]  # the run's clock: it moves when the test moves it, never with the machine's load
+    monkeypatch.setattr(multi_turn, "time", SimpleNamespace(perf_counter=lambda: now[0]))
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            run = RunSpec(duration=0.3)  # turns 2 start at ~0.21 s, turns 3 would at ~0.42 s
-            return await run_conversations(client, CHAT, conversations, run, think_time=0.2)
+        second_turns: list[httpx.Request] = []
+        both_sent = asyncio.Event()
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            response = await handler(request)
+            if sum(m["role"] == "user" for m in json.loads(request.content)["messages"]) == 2:
+                second_turns.append(request)
+                if len(second_turns) == 2:  # both in flight (a turn 3 waits on its turn 2)
+                    now[0] = 1.0  # the duration passes while they run
+                    both_sent.set()
+                await both_sent.wait()
+            return response
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            run = RunSpec(duration=0.5)
+            return await run_conversations(client, CHAT, conversations, run, think_time=0.01)
 
     outputs, _ = asyncio.run(go())
+    # turns 2 started within the duration and were waited for; no turn 3 started after it
     assert sorted(o.turn for o in outputs) == [1, 1, 2, 2] and all(o.success for o in outputs)
 
 

@@ -91,7 +91,7 @@ def stub():
     server = uvicorn.Server(uvicorn.Config(stub_app(seen), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.started

@@ -6,8 +6,11 @@ import time
 
 import pytest
 
+from pdserve.decode.record import DecodeState
 from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
+from pdserve.prefill.record import PrefillState
 from pdserve.protocol import messages as m
+from pdserve.protocol.keys import ChoiceKey
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
 
@@ -98,7 +101,7 @@ def test_transfer_done_does_not_wait_for_the_next_prefill_step(cluster_factory, 
     cluster.submit("r", prompt, GREEDY)
     while not cluster.tokens_sent("r"):  # until token 0 is out and the push started
         cluster.pump_round()
-    assert prefill.sending
+    assert prefill.keys_in(PrefillState.SENDING) == [ChoiceKey("r", 0)]
     deadline = time.monotonic() + 10
     while not any(isinstance(msg, m.TransferDone) for _, msg in cluster.bus.queue):
         assert time.monotonic() < deadline, "no TransferDone without a prefill step"
@@ -107,7 +110,7 @@ def test_transfer_done_does_not_wait_for_the_next_prefill_step(cluster_factory, 
     cluster.pump()
     assert cluster.tokens("r") == {0: hf_greedy(tiny_dir, prompt, 10)}
     assert set(cluster.used_blocks().values()) == {0}
-    assert not prefill.sending and not prefill._reported
+    assert not prefill.records  # the transfer's record, reported flag and all, is gone
 
 
 def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
@@ -115,7 +118,7 @@ def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
     long_spec = m.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     cluster.submit("r", prompts(512, [40], seed=5)[0], long_spec)
     decode = cluster.workers["d0"]
-    while not decode.running:  # prefill done, KV moved, decode under way
+    while not decode.keys_in(DecodeState.RUNNING):  # prefill done, KV moved, decode under way
         cluster.pump_round()
     cluster.pump_round()
     assert decode.engine.block_manager.num_used_blocks > 0
@@ -127,7 +130,19 @@ def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
 
 def test_unknown_model_and_no_capacity(cluster_factory) -> None:
     cluster = cluster_factory(num_blocks=8)
-    cluster.bus.queue.append(("coordinator", m.Generate("x", "nope", [1], GREEDY, 1, "gw")))
+    cluster.bus.queue.append(
+        (
+            "coordinator",
+            m.Generate(
+                request_id="x",
+                model="nope",
+                prompt_token_ids=[1],
+                sampling=GREEDY,
+                n=1,
+                stream_address="gw",
+            ),
+        )
+    )
     # 8 blocks x 4 tokens can never hold it: a 400, not a 503 worth retrying
     cluster.submit("big", list(range(100)), GREEDY)
     cluster.pump()

@@ -13,6 +13,7 @@ from pdserve.worker.wire import heartbeat
 from tests.cluster_util import Cluster
 from tests.e2e_util import ServedCluster
 from tests.engine_util import hf_greedy, make_engine, prompts
+from tests.gateway_util import wait_until
 
 SPEC = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -98,12 +99,10 @@ def test_served_cluster_counts_decisions_in_metrics(tiny_dir) -> None:
         for prompt in ("hi", "a much longer prompt that is over eight tokens for sure, yes"):
             r = httpx.post(f"{c.url}/v1/completions", json={**body, "prompt": prompt}, timeout=30)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        deadline = time.monotonic() + 10  # the figures come with the next ClusterState
-        while time.monotonic() < deadline:
-            text = c.metrics()
-            if 'reason="local_short_prompt"} 1.0' in text and 'reason="disaggregated"} 1.0' in text:
-                break
-            time.sleep(0.2)
+        # the figures come with the next ClusterState
+        routed = ('reason="local_short_prompt"}', 'reason="disaggregated"}')
+        wait_until(lambda: all(r in c.metrics() for r in routed), what="both routes in /metrics")
+        text = c.metrics()
         assert 'pdserve_routing_decisions_total{reason="local_short_prompt"} 1.0' in text, text
         assert 'pdserve_routing_decisions_total{reason="disaggregated"} 1.0' in text
     finally:

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.coordinator.routes import Route, RouteTable
+from pdserve.coordinator.routes import Route, RouteState, RouteTable
 from pdserve.protocol import messages as m
+from pdserve.protocol.keys import ChoiceKey
 
 SPEC = m.SamplingParams(max_tokens=4)
 
 
 def _route(request_id: str, choice: int, n: int = 3) -> Route:
-    return Route(m.Generate(request_id, "tiny", [1, 2], SPEC, n, "gw"), choice, "reserving")
+    request = m.Generate(
+        request_id=request_id,
+        model="tiny",
+        prompt_token_ids=[1, 2],
+        sampling=SPEC,
+        n=n,
+        stream_address="gw",
+    )
+    return Route(request, choice, RouteState.RESERVING)
 
 
 def test_keys_of_a_request_and_one_of_its_choices() -> None:
@@ -29,9 +38,9 @@ def test_pop_keeps_the_index_in_step() -> None:
     table = RouteTable()
     table.add(_route("a", 0, n=2))
     table.add(_route("a", 1, n=2))
-    assert table.pop(("a", 0)).choice == 0
+    assert table.pop(ChoiceKey("a", 0)).choice == 0
     assert table.keys_of("a") == [("a", 1)]
-    table.pop(("a", 1))
+    table.pop(ChoiceKey("a", 1))
     assert table == {} and table.keys_of("a") == []
     with pytest.raises(KeyError):
-        table.pop(("a", 1))
+        table.pop(ChoiceKey("a", 1))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.coordinator.coordinator import Coordinator
+from pdserve.coordinator.routes import RouteState
 from pdserve.protocol import messages as m
 
-LAYOUT = m.KVLayout(16, "float32", 2, 2, 8)
+LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
 SPEC = m.SamplingParams(max_tokens=4)
 
 
@@ -39,19 +40,61 @@ def cluster(decode: dict[str, int], prefill: tuple[str, ...] = ("p0",)) -> tuple
     out = Outbox()
     c = Coordinator(out, heartbeat_timeout_s=1e9, reserve_timeout_s=5, prefill_timeout_s=50)
     for wid, blocks in decode.items():
-        c.handle(m.Register("decode", wid, "tiny", wid, f"t-{wid}", "zmq", LAYOUT, blocks), 0.0)
+        c.handle(
+            m.Register(
+                role="decode",
+                worker_id=wid,
+                model="tiny",
+                control_address=wid,
+                transfer_address=f"t-{wid}",
+                transfer_backend="zmq",
+                layout=LAYOUT,
+                num_blocks=blocks,
+            ),
+            0.0,
+        )
     for wid in prefill:
-        c.handle(m.Register("prefill", wid, "tiny", wid, "", "zmq", LAYOUT, 64), 0.0)
+        c.handle(
+            m.Register(
+                role="prefill",
+                worker_id=wid,
+                model="tiny",
+                control_address=wid,
+                transfer_address="",
+                transfer_backend="zmq",
+                layout=LAYOUT,
+                num_blocks=64,
+            ),
+            0.0,
+        )
     return c, out
 
 
 def generate(c: Coordinator, rid: str, prompt_len: int = 20, now: float = 0.0) -> None:
-    c.handle(m.Generate(rid, "tiny", list(range(prompt_len)), SPEC, 1, "gw"), now)
+    c.handle(
+        m.Generate(
+            request_id=rid,
+            model="tiny",
+            prompt_token_ids=list(range(prompt_len)),
+            sampling=SPEC,
+            n=1,
+            stream_address="gw",
+        ),
+        now,
+    )
 
 
 def reserved(wid: str, rid: str, free: int = -1, error: str | None = None) -> m.Reserved:
     ids = [] if error else [1, 2]
-    return m.Reserved(rid, wid, ids, f"t-{wid}", error, 0, free)
+    return m.Reserved(
+        request_id=rid,
+        worker_id=wid,
+        block_ids=ids,
+        transfer_address=f"t-{wid}",
+        error=error,
+        choice=0,
+        free_blocks=free,
+    )
 
 
 def test_a_black_holed_decode_worker_is_passed_over() -> None:
@@ -93,11 +136,22 @@ def test_a_refused_reservation_tries_another_decode_worker_then_waits() -> None:
     c.handle(reserved("d0", "r", free=0, error="no free blocks"), 0.1)
     assert [w for w, _ in out.take(m.Reserve)] == ["d0", "d1"]
     c.handle(reserved("d1", "r", free=0, error="no free blocks"), 0.2)
-    assert out.gateway == [] and c.routes[("r", 0)].state == "queued"
+    assert out.gateway == [] and c.routes[("r", 0)].state is RouteState.QUEUED
     # blocks come back (a heartbeat says so): the oldest waiting choice is placed
-    c.handle(m.Heartbeat("d1", 32, 0, 32, 0, 0, 0), 1.0)
+    c.handle(
+        m.Heartbeat(
+            worker_id="d1",
+            free_blocks=32,
+            used_blocks=0,
+            total_blocks=32,
+            running=0,
+            waiting=0,
+            queued_prompt_tokens=0,
+        ),
+        1.0,
+    )
     assert [w for w, _ in out.take(m.Reserve)] == ["d1"]
-    assert c.routes[("r", 0)].state == "reserving"
+    assert c.routes[("r", 0)].state is RouteState.RESERVING
 
 
 def test_a_full_pool_queues_first_come_first_served_then_times_out() -> None:
@@ -105,11 +159,11 @@ def test_a_full_pool_queues_first_come_first_served_then_times_out() -> None:
     for rid in ("a", "b", "c"):
         generate(c, rid, prompt_len=40)
     assert [msg.request_id for _, msg in out.take(m.Reserve)] == ["a"]
-    assert [c.routes[(r, 0)].state for r in "bc"] == ["queued", "queued"]
+    assert [c.routes[(r, 0)].state for r in "bc"] == [RouteState.QUEUED] * 2
     c.handle(m.Abort("c", "client gone"), 0.5)  # a waiting choice can be aborted
     assert ("c", 0) not in c.routes and out.take(m.Abort) == []  # no worker held anything
     c.tick(30.0)  # still full: b waits on
-    assert out.take(m.Reserve) == [] and c.routes[("b", 0)].state == "queued"
+    assert out.take(m.Reserve) == [] and c.routes[("b", 0)].state is RouteState.QUEUED
     c.tick(61.0)  # past the queue timeout: 503 with the reason
     errors = [e for e in out.gateway if isinstance(e, m.RequestError) and e.request_id == "b"]
     assert errors[0].status == 503 and "no decode worker had free KV blocks" in errors[0].message
@@ -153,11 +207,46 @@ def test_the_free_block_estimate_follows_every_answer() -> None:
 def test_a_request_that_can_never_fit_is_a_400(prompt_len, max_tokens, what) -> None:
     out = Outbox()
     c = Coordinator(out)
-    reg = m.Register("decode", "d0", "tiny", "d0", "t", "zmq", LAYOUT, 4, "", 256)
+    reg = m.Register(
+        role="decode",
+        worker_id="d0",
+        model="tiny",
+        control_address="d0",
+        transfer_address="t",
+        transfer_backend="zmq",
+        layout=LAYOUT,
+        num_blocks=4,
+        model_root="",
+        max_model_len=256,
+    )
     c.handle(reg, 0.0)
-    c.handle(m.Register("prefill", "p0", "tiny", "p0", "", "zmq", LAYOUT, 64, "", 256), 0.0)
+    c.handle(
+        m.Register(
+            role="prefill",
+            worker_id="p0",
+            model="tiny",
+            control_address="p0",
+            transfer_address="",
+            transfer_backend="zmq",
+            layout=LAYOUT,
+            num_blocks=64,
+            model_root="",
+            max_model_len=256,
+        ),
+        0.0,
+    )
     spec = m.SamplingParams(max_tokens=max_tokens)
-    c.handle(m.Generate("r", "tiny", list(range(prompt_len)), spec, 1, "gw"), 0.0)
+    c.handle(
+        m.Generate(
+            request_id="r",
+            model="tiny",
+            prompt_token_ids=list(range(prompt_len)),
+            sampling=spec,
+            n=1,
+            stream_address="gw",
+        ),
+        0.0,
+    )
     [error] = out.gateway
     assert error.status == 400 and what in error.message, error.message
     assert out.workers == []
@@ -170,7 +259,7 @@ def test_a_forged_abort_or_error_ends_the_stream_at_its_gateway() -> None:
         c.handle(reserved("d0", rid), 0.1)
     out.gateway.clear()
     c.handle(m.Abort("a", "forged"), 0.2)
-    c.handle(m.RequestError("b", 500, "forged failure"), 0.2)
+    c.handle(m.RequestError(request_id="b", status=500, message="forged failure"), 0.2)
     assert [(e.request_id, e.status, e.message) for e in out.gateway] == [
         ("a", 503, "aborted: forged"),
         ("b", 500, "forged failure"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.protocol.sockets import free_port
+from pdserve.runtime.sockets import free_port
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 

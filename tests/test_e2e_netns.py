@@ -88,7 +88,7 @@ def hosts():
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small preset: slow enough on CPU that a long stream is still going when cut."""
-    from pdserve.engine.make_model import make_model
+    from pdserve.models.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("small") / "small", preset="small")
 

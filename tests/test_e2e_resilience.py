@@ -196,7 +196,7 @@ def test_200_clients_giving_up_then_a_request_completes(tiny_dir) -> None:
             raise AssertionError(f"no answer in 30 s:\n{c.output()[-6000:]}") from e
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
         # the workers let go of the crowd too: no block held
-        assert set(c.wait_blocks_free(timeout=10).values()) == {0.0}, c.output()[-6000:]
+        assert set(c.wait_blocks_free().values()) == {0.0}, c.output()[-6000:]
     finally:
         c.stop()
 
@@ -207,13 +207,13 @@ def test_coordinator_restart_is_transparent(tiny_dir) -> None:
         [(pid, _)] = [p for p in _children(c.proc.pid) if " coordinator " in p[1]]
         os.kill(pid, signal.SIGKILL)
         # serve restarts it on the same address; workers and the gateway find it again
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a hang bound only
         status = None
         while time.monotonic() < deadline and status != 200:
             try:
                 status = httpx.post(
                     f"{c.url}/v1/completions",
-                    timeout=10,
+                    timeout=60,
                     json={"model": c.model_name, "prompt": "hello again", "max_tokens": 4},
                 ).status_code
             except httpx.HTTPError:

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.e2e_util import ServedCluster
+from tests.gateway_util import wait_until
 from tests.test_e2e_resilience import pids_of, stream_on_a_decode_worker
 from tests.test_structured import LIST_SCHEMA, SCHEMA
 
@@ -92,9 +93,12 @@ def test_sampled_outputs_validate(clusters) -> None:
 
 def test_json_object_regex_choice_grammar_and_guided(clusters) -> None:
     c = clusters["disagg"]
-    text, _ = chat(c, response_format={"type": "json_object"}, max_tokens=300)
-    if _ == "stop":
-        assert isinstance(json.loads(text), dict)
+    # greedy, the random tiny model never closes the object (it repeats a digit to the end);
+    # this seed's sample closes it after 161 tokens
+    json_object = {"type": "json_object"}
+    text, reason = chat(c, response_format=json_object, max_tokens=300, temperature=1.0, seed=0)
+    assert reason == "stop", text
+    assert isinstance(json.loads(text), dict)
     cases = [
         ({"structured_outputs": {"regex": r"[a-z]{2,5}-[0-9]"}}, r"[a-z]{2,5}-[0-9]"),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, r"yes|no"),
@@ -139,8 +143,17 @@ def test_bad_constraints_are_400_and_lose_nothing(clusters, body, param, words) 
     assert words in error["message"], error
     if param is not None:
         assert error["param"] == param
-    # the cluster still serves
-    assert chat(c, max_tokens=3)[0] is not None
+    # the refusal held nothing, and the cluster still serves: a request right after it gets
+    # all its tokens
+    wait_until(lambda: c.gateway_in_flight() == 0, what="the refused request gone")
+    out = api(c).chat.completions.create(
+        model=c.model_name,
+        messages=[{"role": "user", "content": "Describe a thing as JSON."}],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("length", 3)
 
 
 LONG_SCHEMA = {  # about 1,000 tokens: still going when its decode worker is killed
@@ -180,7 +193,7 @@ def test_decode_worker_killed_mid_structured_output_migrates(small_dir) -> None:
         t, busy = stream_on_a_decode_worker(c, body, events)
         [pid] = pids_of(busy[0], c.proc.pid)
         os.kill(pid, signal.SIGKILL)
-        t.join(60)
+        t.join(180)  # a hang bound only
         assert not t.is_alive(), "the stream hung"
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]

@@ -91,7 +91,7 @@ def test_bfloat16_and_float16_load_and_run(tiny_dir) -> None:
 
 
 def test_sharded_checkpoint_matches_single_file(tmp_path) -> None:
-    from pdserve.engine.make_model import make_model
+    from pdserve.models.make_model import make_model
 
     single = make_model(tmp_path / "one", preset="tiny", seed=3)
     sharded = make_model(tmp_path / "two", preset="tiny", seed=3, num_shards=2)

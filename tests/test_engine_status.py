@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.blocks import blocks_for
 from tests.engine_util import greedy, prompts, run_all
 
 
@@ -25,31 +26,33 @@ def engine(path: Path) -> LLMEngine:
 def test_figures_follow_the_queues(tiny_dir: Path) -> None:
     e = engine(tiny_dir)
     long, short = prompts(e.model_config.vocab_size, [17, 5], seed=3)
-    assert (e.block_size, e.num_blocks, e.blocks_needed(17), e.blocks_needed(16)) == (4, 64, 5, 4)
-    assert [layer.shape[0] for layer in e.kv_layers] == [64] * len(e.kv_layers)
+    s = e.status
+    assert (s.block_size, s.num_blocks, blocks_for(17, s.block_size)) == (4, 64, 5)
+    assert blocks_for(16, s.block_size) == 4
+    assert [layer.shape[0] for layer in s.kv_layers] == [64] * len(s.kv_layers)
     e.add_request("a", long, greedy(3))
     e.add_request("b", short, greedy(3))
-    status = (e.num_waiting, e.num_running, e.num_used_blocks, e.num_free_blocks)
-    assert (status, e.queued_prompt_tokens) == ((2, 0, 0, 64), 17 + 5)
+    status = (s.num_waiting, s.num_running, s.num_used_blocks, s.num_free_blocks)
+    assert (status, s.queued_prompt_tokens) == ((2, 0, 0, 64), 17 + 5)
     e.step()  # a's first 16 tokens fill the step; b waits
-    status = (e.num_waiting, e.num_running, e.num_used_blocks, e.num_free_blocks)
-    assert (status, e.queued_prompt_tokens) == ((1, 1, 4, 60), 1 + 5)  # a's last prompt token
+    status = (s.num_waiting, s.num_running, s.num_used_blocks, s.num_free_blocks)
+    assert (status, s.queued_prompt_tokens) == ((1, 1, 4, 60), 1 + 5)  # a's last prompt token
     e.step()  # a's last prompt token and all of b: each samples token 0
-    status = (e.num_waiting, e.num_running, e.num_used_blocks)
-    assert (status, e.queued_prompt_tokens) == ((0, 2, 5 + 2), 0)  # decode steps are not counted
+    status = (s.num_waiting, s.num_running, s.num_used_blocks)
+    assert (status, s.queued_prompt_tokens) == ((0, 2, 5 + 2), 0)  # decode steps are not counted
 
 
 def test_prefix_hits_and_kv_events(tiny_dir: Path) -> None:
     e = engine(tiny_dir)
-    publisher = e.kv_event_publisher("w0")
+    publisher = e.status.kv_event_publisher("w0")
     [prompt] = prompts(e.model_config.vocab_size, [17], seed=4)
     run_all_of(e, "a", prompt)
-    assert e.prefix_hit_tokens == 0
+    assert e.status.prefix_hit_tokens == 0
     [snapshot] = publisher.messages()  # the first period: everything cached, as a snapshot
     assert snapshot.snapshot and len(snapshot.stored) == 4  # a's full prompt blocks
     run_all_of(e, "b", prompt)
-    assert e.prefix_hit_tokens == 16  # every full block but the one with the last token
-    assert e.num_used_blocks == 0 and e.num_free_blocks == 64
+    assert e.status.prefix_hit_tokens == 16  # every full block but the one with the last token
+    assert e.status.num_used_blocks == 0 and e.status.num_free_blocks == 64
 
 
 def run_all_of(e: LLMEngine, request_id: str, prompt: list[int]) -> None:

@@ -54,7 +54,7 @@ def test_colocated_fork_shares_full_blocks_and_copies_the_tail(
 ) -> None:
     engine = make_engine(tiny_dir)
     prompt = prompt_of(engine, length)
-    engine.add_request_n("p", IDS, prompt, [greedy(6)] * N)
+    engine.forks.add_request_n("p", IDS, prompt, [greedy(6)] * N)
     outs = engine.step()
     assert [(o.request_id, len(o.new_token_ids)) for o in outs] == [(i, 1) for i in IDS]
     assert tables(engine, IDS) == after_token0
@@ -83,7 +83,7 @@ def test_colocated_fork_equals_separate_greedy_requests_and_computes_the_prompt_
     for length in (10, 8, 13):
         prompt = prompt_of(engine, length)
         computed.clear()
-        engine.add_request_n(f"p{length}", IDS, prompt, [greedy(6, logprobs=2)] * N)
+        engine.forks.add_request_n(f"p{length}", IDS, prompt, [greedy(6, logprobs=2)] * N)
         got = run_all(engine)
         assert sum(computed) == length + N * 5  # the prompt once, then tokens 0..4 per choice
         want = separate(tiny_dir, prompt, [greedy(6, logprobs=2)] * N)
@@ -97,7 +97,7 @@ def test_colocated_seeded_choices_equal_requests_seeded_seed_plus_c(tiny_dir, le
     engine = make_engine(tiny_dir)
     prompt = prompt_of(engine, length)
     params = [seeded(c, logprobs=2) for c in range(N)]
-    engine.add_request_n("p", IDS, prompt, params)
+    engine.forks.add_request_n("p", IDS, prompt, params)
     got = run_all(engine)
     want = separate(tiny_dir, prompt, params)
     assert_same([got[i] for i in IDS], want)
@@ -109,7 +109,7 @@ def test_no_free_block_for_a_tail_copy_recomputes_that_choice(tiny_dir) -> None:
     engine = make_engine(tiny_dir, num_blocks=4)
     prompt = prompt_of(engine, 10)
     params = [seeded(c, max_tokens=2) for c in range(N)]
-    engine.add_request_n("p", IDS, prompt, params)
+    engine.forks.add_request_n("p", IDS, prompt, params)
     engine.step()
     assert tables(engine, IDS) == [[0, 1, 2], [0, 1, 3], []]
     assert engine.requests["c"].num_computed_tokens == 0
@@ -125,7 +125,7 @@ def test_abort_before_token0_drops_that_choice_and_the_prompt_with_the_last(tiny
     # the prompt takes three steps; no prefix cache, so it takes them each time
     engine = make_engine(tiny_dir, max_num_batched_tokens=4, prefix_caching=False)
     prompt = prompt_of(engine, 10)
-    engine.add_request_n("p", IDS, prompt, [greedy(4)] * N)
+    engine.forks.add_request_n("p", IDS, prompt, [greedy(4)] * N)
     engine.step()
     assert engine.abort("b")
     got = run_all(engine)
@@ -135,7 +135,7 @@ def test_abort_before_token0_drops_that_choice_and_the_prompt_with_the_last(tiny
     assert "p" not in got and engine.block_manager.num_used_blocks == 0
 
     # every choice aborted: the prompt goes at once, blocks freed, nothing reports for it
-    engine.add_request_n("p", IDS, prompt, [greedy(4)] * N)
+    engine.forks.add_request_n("p", IDS, prompt, [greedy(4)] * N)
     engine.step()
     assert engine.block_manager.num_used_blocks == 1  # block 0 only, tokens 0..3 computed
     for i in IDS:
@@ -145,7 +145,7 @@ def test_abort_before_token0_drops_that_choice_and_the_prompt_with_the_last(tiny
     assert sorted(got) == IDS and {o.finish_reason for o in got.values()} == {"abort"}
 
     # the prompt's id aborts it with every choice
-    engine.add_request_n("p", IDS, prompt, [greedy(4)] * N)
+    engine.forks.add_request_n("p", IDS, prompt, [greedy(4)] * N)
     engine.step()
     assert engine.abort("p")
     assert engine.requests == {} and engine.block_manager.num_used_blocks == 0
@@ -155,9 +155,9 @@ def test_abort_before_token0_drops_that_choice_and_the_prompt_with_the_last(tiny
 def test_bad_calls_are_refused_and_leave_nothing(tiny_dir) -> None:
     engine = make_engine(tiny_dir)
     with pytest.raises(ValueError, match="repeat"):
-        engine.add_request_n("p", ["a", "a"], [1, 2], [greedy(2)] * 2)
+        engine.forks.add_request_n("p", ["a", "a"], [1, 2], [greedy(2)] * 2)
     with pytest.raises(ValueError, match="already running"):
-        engine.add_request_n("a", ["a", "b"], [1, 2], [greedy(2)] * 2)
+        engine.forks.add_request_n("a", ["a", "b"], [1, 2], [greedy(2)] * 2)
     with pytest.raises(ValueError, match="lengths"):
-        engine.add_request_n("p", ["a", "b"], [1, 2], [greedy(2)])
+        engine.forks.add_request_n("p", ["a", "b"], [1, 2], [greedy(2)])
     assert engine.requests == {} and not engine.has_unfinished()

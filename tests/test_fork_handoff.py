@@ -44,7 +44,7 @@ def test_disaggregated_fork_equals_separate_requests(tiny_dir, kind: str, length
     assert [o.new_token_ids for o in token0] == [o.new_token_ids[:1] for o in want]
     assert {o.finish_reason for o in token0} == {"length"}
     # the prefill side holds the prompt's blocks only: no tail copies for choices that end
-    assert prefill.held_block_ids("r") == [0, 1, 2][: -(-length // 4)]
+    assert prefill.handoff.held_block_ids("r") == [0, 1, 2][: -(-length // 4)]
     assert prefill.block_manager.num_used_blocks == -(-length // 4)
 
     dst = hand_off(prefill, decode, token0, prompt, params)
@@ -79,9 +79,9 @@ def test_reservation_surplus_is_freed_and_a_shortfall_refused(tiny_dir) -> None:
     prefill, decode = make_engine(tiny_dir), make_engine(tiny_dir)
     prompt = prompt_of(prefill, 10)
     token0 = prefill_n(prefill, prompt, [greedy(4)] * N)
-    assert decode.reserve("r", 11, choices=N) == [0, 1, 2, 3, 4]
+    assert decode.handoff.reserve("r", 11, choices=N) == [0, 1, 2, 3, 4]
     # choice "c" aborted while the KV was on its way: its block goes back
-    decode.add_prefilled_n(
+    decode.handoff.add_prefilled_n(
         "r", IDS[:2], prompt, [o.new_token_ids[0] for o in token0[:2]], [greedy(4)] * 2
     )
     assert tables(decode, IDS[:2]) == [[0, 1, 2], [0, 1, 3]]
@@ -91,17 +91,19 @@ def test_reservation_surplus_is_freed_and_a_shortfall_refused(tiny_dir) -> None:
     run_all(decode)
     assert decode.block_manager.num_used_blocks == 0
 
-    decode.reserve("r", 11)  # one choice's worth
+    decode.handoff.reserve("r", 11)  # one choice's worth
     with pytest.raises(ValueError, match="need 5 reserved blocks"):
-        decode.add_prefilled_n("r", IDS, prompt, [7] * N, [greedy(4)] * N)
-    assert "r" not in decode.reserved and decode.block_manager.num_used_blocks == 0
+        decode.handoff.add_prefilled_n("r", IDS, prompt, [7] * N, [greedy(4)] * N)
+    assert "r" not in decode.scheduler.waiting_for_kvs and decode.block_manager.num_used_blocks == 0
 
 
 def test_choices_ending_at_token0_free_their_blocks_at_once(tiny_dir) -> None:
     decode = make_engine(tiny_dir)
-    decode.reserve("r", 11, choices=N)
+    decode.handoff.reserve("r", 11, choices=N)
     stop = dataclasses.replace(greedy(4), stop_token_ids=[9])
-    decode.add_prefilled_n("r", IDS, list(range(10)), [5, 9, 5], [greedy(4), stop, greedy(1)])
+    decode.handoff.add_prefilled_n(
+        "r", IDS, list(range(10)), [5, 9, 5], [greedy(4), stop, greedy(1)]
+    )
     # "b" stopped on token 0, "c" wanted one token: only "a" holds blocks
     assert refs(decode, range(5)) == [1, 1, 1, 0, 0]
     out = {o.request_id: o for o in decode.step()}
@@ -124,7 +126,7 @@ def test_preempted_forks_recompute_from_their_own_tokens(tiny_dir, where: str) -
         preempt(seq, batch),
     )
     if where == "colocated":
-        engine.add_request_n("p", IDS, prompt, params)
+        engine.forks.add_request_n("p", IDS, prompt, params)
         got = run_all(engine)
         got = [got[i] for i in IDS]
     else:
@@ -150,7 +152,7 @@ def test_structured_choices_each_follow_their_own_matcher(tiny_dir, tok, where: 
     prompt = tok.encode("a prompt of a few words")
     engine = make_engine(tiny_dir)
     if where == "colocated":
-        engine.add_request_n("p", IDS, prompt, params)
+        engine.forks.add_request_n("p", IDS, prompt, params)
         got = run_all(engine)
         got = [got[i] for i in IDS]
     else:

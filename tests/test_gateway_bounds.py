@@ -16,10 +16,10 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import OpenAIError
-from pdserve.gateway.generation import Generation
 from pdserve.gateway.jobs import prepare_completion
 from pdserve.gateway.openai_models import CompletionRequest
 from pdserve.gateway.prompt_guard import CHUNK_CHARS, check_prompt_size
+from pdserve.gateway.run import JobRun
 from tests.gateway_util import COMPLETION, MODELS, FakeBackend, Script, Serve, error
 
 
@@ -49,9 +49,9 @@ def test_a_reader_that_stays_behind_is_cut_off(tok: Tokenizer) -> None:
 
     async def main() -> tuple[int, OpenAIError]:
         job = prepare_completion(request, tok, MODELS[0])
-        gen = Generation(backend, tok, job, max_backlog=16)
-        await gen.start()
-        updates = gen.updates()
+        job_run = JobRun(backend, tok, job, max_backlog=16)
+        await job_run.start()
+        updates = job_run.updates()
         await anext(updates)
         # the reader stalls; the cluster goes on, and the request is aborted at once
         for _ in range(50):
@@ -121,7 +121,7 @@ def test_a_slow_body_holds_no_slot(serve: Serve, monkeypatch: pytest.MonkeyPatch
             slow = asyncio.create_task(
                 client.post("/v1/completions", content=trickle(), headers=headers)
             )
-            assert await asyncio.to_thread(reading.wait, 5)
+            assert await asyncio.to_thread(reading.wait, 60)
             ok = await client.post("/v1/completions", json=COMPLETION)  # the slot is free
             return ok.status_code, (await slow).status_code
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,17 @@ def tokenizer(model_dirs: dict[str, Path]) -> Tokenizer:
 def ev(
     index: int, ids: list[int], finish: str | None = None, logprobs: list | None = None
 ) -> TokenChunk:
-    return TokenChunk("r", 0, index, ids, logprobs, finish is not None, finish, 3, 0)
+    return TokenChunk(
+        request_id="r",
+        choice=0,
+        index=index,
+        token_ids=ids,
+        logprobs=logprobs,
+        finished=finish is not None,
+        finish_reason=finish,
+        num_prompt_tokens=3,
+        num_cached_tokens=0,
+    )
 
 
 def test_chunks_are_consumed_as_they_come(tokenizer: Tokenizer) -> None:
@@ -45,7 +56,7 @@ def test_chunks_are_consumed_as_they_come(tokenizer: Tokenizer) -> None:
 
 def test_a_finish_reason_without_finished_is_not_the_end(tokenizer: Tokenizer) -> None:
     c = ChoiceState(0, tokenizer)
-    unfinished = TokenChunk("r", 0, 0, [39, EOS], None, False, "stop", 3, 0)
+    unfinished = dataclasses.replace(ev(0, [39, EOS], "stop"), finished=False)
     assert c.add(unfinished) == ChoiceUpdate(0, "H", 2, first=True)
     assert not c.finished and not c.backend_finished
 
@@ -93,9 +104,9 @@ def test_a_chunk_out_of_order_is_a_backend_error(tokenizer: Tokenizer, index: in
 def test_logprobs_with_text_offsets(tokenizer: Tokenizer) -> None:
     c = ChoiceState(0, tokenizer, token_texts=TokenTexts(tokenizer))
     lps = [
-        TokenLogprob(573, -0.5, 1, [(573, -0.5), (39, -2.0)]),
-        TokenLogprob(322, -0.25, 1, []),
-        TokenLogprob(246, -1.0, 1, []),
+        TokenLogprob(token_id=573, logprob=-0.5, rank=1, top=[(573, -0.5), (39, -2.0)]),
+        TokenLogprob(token_id=322, logprob=-0.25, rank=1, top=[]),
+        TokenLogprob(token_id=246, logprob=-1.0, rank=1, top=[]),
     ]
     update = c.add(ev(0, EMOJI[:3], logprobs=lps))
     assert update is not None and update.text == "é"

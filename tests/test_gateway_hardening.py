@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import httpx
@@ -15,9 +14,9 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import AdmissionState
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.drain import shutdown_error
-from pdserve.gateway.generation import Generation
 from pdserve.gateway.jobs import prepare_completion
 from pdserve.gateway.openai_models import CompletionRequest
+from pdserve.gateway.run import JobRun
 from pdserve.gateway.stream import stream_events
 from tests.gateway_util import (
     COMPLETION,
@@ -25,9 +24,11 @@ from tests.gateway_util import (
     FakeBackend,
     Script,
     Serve,
+    abandoned_post,
     error,
     parse_prometheus,
     wait_for,
+    wait_until,
 )
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
@@ -56,11 +57,10 @@ TIMEOUT = error(
 
 def test_timeout_non_streaming_is_504_and_aborts(serve: Serve) -> None:
     served = serve(GatewayConfig(request_timeout_s=0.3), Script([[5, 6, 7]], hang_after=1))
-    start = time.monotonic()
-    response = httpx.post(f"{served.url}/v1/completions", json=COMPLETION, timeout=10)
-    elapsed = time.monotonic() - start
+    response = httpx.post(f"{served.url}/v1/completions", json=COMPLETION, timeout=60)
+    # what ended the hung request: the gateway's timeout, as it says (the 504 names it, and it
+    # counts the outcome), never the client's
     assert (response.status_code, response.json()) == (504, TIMEOUT)
-    assert 0.3 <= elapsed < 2.0
     assert served.backend.aborted == [served.backend.submitted[0].request_id]
     assert served.metrics.requests.value(outcome="timeout") == 1
     assert served.metrics.requests.value(outcome="error") == 0
@@ -69,7 +69,7 @@ def test_timeout_non_streaming_is_504_and_aborts(serve: Serve) -> None:
 def test_timeout_streaming_ends_with_an_error_event(serve: Serve, tok: Tokenizer) -> None:
     served = serve(GatewayConfig(request_timeout_s=0.3), Script([[5, 6, 7]], hang_after=1))
     body = {**CHAT, "stream": True}
-    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=10)
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200
     events = sse(response)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": tok.decode([5])}
@@ -82,7 +82,7 @@ def test_timeout_while_submitting(serve: Serve) -> None:
     served = serve(GatewayConfig(request_timeout_s=0.3), Script([[1]], hang_on_submit=True))
     for stream in (False, True):
         body = {**COMPLETION, "stream": stream}
-        response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=10)
+        response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
         assert (response.status_code, response.json()) == (504, TIMEOUT)
     assert len(served.backend.submitted) == 2
     assert served.backend.aborted == [r.request_id for r in served.backend.submitted]
@@ -91,9 +91,12 @@ def test_timeout_while_submitting(serve: Serve) -> None:
 
 def test_no_timeout_when_off(serve: Serve) -> None:
     served = serve(GatewayConfig(request_timeout_s=0), Script([[5, 6, 7]], hang_after=1))
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{served.url}/v1/completions", json=COMPLETION, timeout=1.0)
-    assert wait_for(lambda: len(served.backend.aborted) == 1)  # by the disconnect
+    with abandoned_post(served.url, "/v1/completions", COMPLETION) as client:
+        wait_until(lambda: len(served.backend.submitted) == 1, what="the request submitted")
+        client.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            client.recv(1)  # a second without an answer: no timeout ended it
+    wait_until(lambda: len(served.backend.aborted) == 1, what="the abort on the disconnect")
     assert served.metrics.requests.value(outcome="timeout") == 0
 
 
@@ -105,8 +108,8 @@ def test_in_flight_limit_is_429_with_retry_after(serve: Serve) -> None:
     url = served.url
     body = {**COMPLETION, "stream": True}
     with (
-        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as first,
-        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as second,
+        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as first,
+        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as second,
     ):
         assert (first.status_code, second.status_code) == (200, 200)
         assert wait_for(lambda: in_flight(url) == 2)
@@ -146,7 +149,7 @@ def test_draining_refuses_new_requests(serve: Serve, tok: Tokenizer) -> None:
     served = serve(GatewayConfig(), Script([ids], hang_after=2))
     url = served.url
     body = {**COMPLETION, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as running:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as running:
         lines = running.iter_lines()  # held: a dropped iterator closes the response
         first = json.loads(next(line for line in lines if line)[6:])
         served.admission.draining = True
@@ -175,10 +178,10 @@ def test_expire_all_ends_running_streams(tok: Tokenizer) -> None:
 
     async def main() -> tuple[list[str], int, int]:
         state = AdmissionState()
-        gen = Generation(backend, tok, prepare_completion(request, tok, MODELS[0]))
-        state.generations.add(gen)
-        await gen.start()
-        stream = stream_events(gen)
+        job_run = JobRun(backend, tok, prepare_completion(request, tok, MODELS[0]))
+        state.runs.add(job_run)
+        await job_run.start()
+        stream = stream_events(job_run)
         events = [await anext(stream), await anext(stream)]
         ended = state.expire_all(shutdown_error())
         events += [e async for e in stream]

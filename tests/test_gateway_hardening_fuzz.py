@@ -18,8 +18,7 @@ from schemathesis import GenerationMode
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.app import create_app
-from pdserve.gateway.backend import ModelInfo
-from tests.gateway_util import FakeBackend, Script, running_server
+from tests.gateway_util import FakeBackend, Script, running_server, served_model
 
 MAX_EXAMPLES = 60  # per operation and generation mode
 
@@ -27,7 +26,7 @@ MAX_EXAMPLES = 60  # per operation and generation mode
 @pytest.fixture(scope="module")
 def roomy_url(tok: Tokenizer) -> Iterator[str]:
     """A server whose model has room for the long prompts the fuzzer writes."""
-    backend = FakeBackend([ModelInfo("tiny", "/models/tiny", 4096)], Script([[5, 6, 7]]))
+    backend = FakeBackend([served_model("tiny", 4096)], Script([[5, 6, 7]]))
     with running_server(create_app(backend, {"tiny": tok})) as url:
         yield url
 

@@ -13,10 +13,9 @@ import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.app import create_app
-from pdserve.gateway.backend import ModelInfo
-from tests.gateway_util import FakeBackend, Script, running_server
+from tests.gateway_util import FakeBackend, Script, running_server, served_model
 
-MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=64)
+MODEL = served_model("tiny", max_model_len=64)
 USER = [{"role": "user", "content": "Hi"}]
 JSON = {"content-type": "application/json"}
 

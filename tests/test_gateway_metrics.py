@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.backend import WorkerStats
-from pdserve.gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, Registry
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.protocol.messages import WorkerStatus
 from tests.gateway_util import parse_prometheus
 
 
@@ -62,9 +63,11 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
     m.prompt_tokens.inc(12)
     m.generation_tokens.inc(30)
     workers = [
-        WorkerStats("prefill", "p0", 10, 100, 1, 2),
-        WorkerStats("decode", "d0", 50, 200, 7, 0),
-    ]
+        WorkerStatus(role="prefill", worker_id="p0", model="tiny", used_blocks=10,
+                     total_blocks=100, running=1, waiting=2),
+        WorkerStatus(role="decode", worker_id="d0", model="tiny", used_blocks=50,
+                     total_blocks=200, running=7, waiting=0),
+    ]  # fmt: skip
     families = parse_prometheus(m.render(workers, {"disaggregated": 3, "local_short_prompt": 2}))
     assert {n: k for n, (k, _) in families.items()} == {
         "pdserve_time_to_first_token_seconds": "histogram",

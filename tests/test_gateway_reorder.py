@@ -13,22 +13,41 @@ import httpx
 import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import GenerateRequest
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.generation import Generation
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.gateway.run import JobRun
 from pdserve.gateway.stream import stream_events
 from pdserve.gateway.zmq_backend import ZmqBackend
 from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams
-from tests.gateway_util import MODELS, FakeBackend, FakeCluster, Script, Serve, chunk, wait_for
+from tests.gateway_util import (
+    MODELS,
+    FakeBackend,
+    FakeCluster,
+    Script,
+    Serve,
+    chunk,
+    generate,
+    served_model,
+    wait_for,
+)
 
 TEXT = "one two three four five six seven"
 
 
 def c(index: int, ids: list[int], final: bool = False) -> m.TokenChunk:
-    return m.TokenChunk("r", 0, index, ids, None, final, "stop" if final else None, 3, 0)
+    return m.TokenChunk(
+        request_id="r",
+        choice=0,
+        index=index,
+        token_ids=ids,
+        logprobs=None,
+        finished=final,
+        finish_reason="stop" if final else None,
+        num_prompt_tokens=3,
+        num_cached_tokens=0,
+    )
 
 
 def indices(chunks: list[m.TokenChunk]) -> list[int]:
@@ -92,23 +111,25 @@ def test_restart_drops_what_is_held_and_keeps_what_passed() -> None:
     assert order.push(c(0, [5])) == [] and indices(order.push(c(1, [16, 17]))) == [1]
 
 
-# ---- through a Generation over the fake backend --------------------------------------------
+# ---- through a JobRun over the fake backend ------------------------------------------------
 
 
 def run(tok: Tokenizer, script: Script, *, slow: bool = False, **kw: Any) -> tuple[list, Any]:
     """The SSE events (parsed) of one completion; ``slow``: the reader stalls after the first."""
     backend = FakeBackend(MODELS, script)
-    request = GenerateRequest("cmpl-1", "tiny", [1, 2, 3], SamplingParams(max_tokens=64))
-    job = Job("completion", "cmpl-1", "tiny", [request], stream=True, include_usage=True)
+    request = generate("cmpl-1", [1, 2, 3], SamplingParams(max_tokens=64))
+    job = Job(kind="completion", response_id="cmpl-1", model="tiny", requests=[request],
+              stream=True, include_usage=True)  # fmt: skip
 
     async def main() -> list[str]:
-        gen = Generation(backend, tok, job, **kw)
-        await gen.start()
+        job_run = JobRun(backend, tok, job, **kw)
+        await job_run.start()
         events = []
-        async for event in stream_events(gen):
+        async for event in stream_events(job_run):
             events.append(event)
-            if slow and len(events) == 1:
-                await asyncio.sleep(0.05)  # the write waits: the rest of the stream comes
+            if slow and len(events) == 1:  # the write waits: the rest of the stream comes
+                for _ in range(100):  # loop turns, not seconds: the same on a loaded machine
+                    await asyncio.sleep(0)
         return events
 
     events = asyncio.run(main())
@@ -177,7 +198,7 @@ def test_a_stream_read_promptly_has_an_event_per_token(serve: Serve, ids: list[i
 @pytest.fixture
 def cluster() -> Iterator[FakeCluster]:
     fake = FakeCluster(lambda g: [])
-    fake.state = m.ClusterState([m.ServedModel("tiny", "/m", 256, ready=True)], [])
+    fake.state = m.ClusterState(models=[served_model("tiny", 256, root="/m")], workers=[])
     yield fake
     fake.close()
 
@@ -192,7 +213,16 @@ def test_a_migrated_choice_resumes_without_gap_or_repeat(
                 ("decode", chunk(g, 0, 1, ids[1:3])),
                 ("decode", chunk(g, 0, 4, [999])),  # overtook 3, which never comes: held
                 ("sleep", 0.1),
-                ("coordinator", m.RequestError(g.request_id, 503, "d0 died", 0, retryable=True)),
+                (
+                    "coordinator",
+                    m.RequestError(
+                        request_id=g.request_id,
+                        status=503,
+                        message="d0 died",
+                        choice=0,
+                        retryable=True,
+                    ),
+                ),
             ]
         return [  # the new worker repeats from token 1, then samples its own 3, 4, ...
             ("decode", chunk(g, 0, 1, ids[1:3])),
@@ -204,13 +234,11 @@ def test_a_migrated_choice_resumes_without_gap_or_repeat(
     cluster.respond = respond
 
     async def main() -> list[m.TokenChunk]:
-        backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=2)
+        backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=60)
         await backend.start()
         try:
             assert await asyncio.to_thread(wait_for, backend.health)
-            stream = await backend.submit(
-                GenerateRequest("r", "tiny", [1, 2], SamplingParams(max_tokens=9))
-            )
+            stream = await backend.submit(generate("r", [1, 2], SamplingParams(max_tokens=9)))
             return [x async for x in stream]
         finally:
             await backend.close()

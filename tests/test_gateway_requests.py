@@ -9,7 +9,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import ModelInfo
 from pdserve.gateway.errors import OpenAIError, error_param, from_validation, model_not_found
 from pdserve.gateway.jobs import prepare_chat, prepare_completion
 from pdserve.gateway.openai_models import (
@@ -19,8 +18,9 @@ from pdserve.gateway.openai_models import (
     sampling_params,
 )
 from pdserve.protocol.sampling import SamplingParams
+from tests.gateway_util import served_model
 
-MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=64)
+MODEL = served_model("tiny", max_model_len=64)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Response and chunk builders, and a Generation driven by the fake backend without HTTP."""
+"""Response and chunk builders, and a JobRun driven by the fake backend without HTTP."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import GenerateRequest
 from pdserve.gateway.choices import ChoiceUpdate
-from pdserve.gateway.generation import Generation, Usage
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.run import JobRun, Usage
 from pdserve.gateway.stream import (
     ChoiceResult,
     ChunkEvents,
@@ -27,7 +26,7 @@ from pdserve.gateway.stream import (
     usage_body,
 )
 from pdserve.protocol.sampling import SamplingParams
-from tests.gateway_util import FakeBackend, Script
+from tests.gateway_util import FakeBackend, Script, generate
 
 HI = [39, 72, 259, 263]  # H|i| the|re
 EOS = 2046
@@ -44,17 +43,17 @@ def job(kind: str = "chat", n: int = 1, prompts: int = 1, **kw: Any) -> Job:
     rid = "chatcmpl-1" if kind == "chat" else "cmpl-1"
     sampling = SamplingParams(max_tokens=16, logprobs=kw.pop("k", None))
     requests = [
-        GenerateRequest(rid if prompts == 1 else f"{rid}-{i}", "tiny", [1, 2, 3], sampling, n)
+        generate(rid if prompts == 1 else f"{rid}-{i}", [1, 2, 3], sampling, n)
         for i in range(prompts)
     ]
-    return Job(kind, rid, "tiny", requests, n=n, created=123, **kw)  # type: ignore[arg-type]
+    return Job(kind=kind, response_id=rid, model="tiny", requests=requests, n=n, created=123, **kw)  # type: ignore[arg-type]
 
 
 def run_stream(backend: FakeBackend, tok: Tokenizer, j: Job, **kw: Any) -> list[Any]:
     async def main() -> list[str]:
-        gen = Generation(backend, tok, j, **kw)
-        await gen.start()
-        return [e async for e in stream_events(gen)]
+        job_run = JobRun(backend, tok, j, **kw)
+        await job_run.start()
+        return [e async for e in stream_events(job_run)]
 
     events = asyncio.run(main())
     assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)
@@ -63,9 +62,9 @@ def run_stream(backend: FakeBackend, tok: Tokenizer, j: Job, **kw: Any) -> list[
 
 def run_collect(backend: FakeBackend, tok: Tokenizer, j: Job) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
-        gen = Generation(backend, tok, j)
-        await gen.start()
-        return await collect(gen)
+        job_run = JobRun(backend, tok, j)
+        await job_run.start()
+        return await collect(job_run)
 
     return asyncio.run(main())
 

@@ -25,21 +25,47 @@ import zmq
 from fastapi import FastAPI
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import BackendError, GenerateRequest
+from pdserve.gateway.backend import BackendError
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
 from pdserve.gateway.request_stream import check_finish
 from pdserve.gateway.zmq_backend import ZmqBackend
 from pdserve.protocol import messages as m
 from pdserve.protocol.codec import ProtocolError, decode, encode
-from pdserve.protocol.sockets import make_socket
-from tests.gateway_util import ClusterScript, FakeCluster, chunk, parse_prometheus, wait_for
+from pdserve.runtime.sockets import make_socket
+from tests.gateway_util import (
+    ClusterScript,
+    FakeCluster,
+    abandoned_post,
+    chunk,
+    generate,
+    parse_prometheus,
+    served_model,
+    wait_for,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["Hello world", "Bye now"]  # choice c generates TEXTS[c % 2], then the eos
 WORKERS = [
-    m.WorkerStatus("prefill", "p0", "tiny", used_blocks=3, total_blocks=64, running=1, waiting=2),
-    m.WorkerStatus("decode", "d0", "tiny", used_blocks=10, total_blocks=128, running=2, waiting=0),
+    m.WorkerStatus(
+        role="prefill",
+        worker_id="p0",
+        model="tiny",
+        used_blocks=3,
+        total_blocks=64,
+        running=1,
+        waiting=2,
+    ),
+    m.WorkerStatus(
+        role="decode",
+        worker_id="d0",
+        model="tiny",
+        used_blocks=10,
+        total_blocks=128,
+        running=2,
+        waiting=0,
+    ),
 ]
 
 
@@ -61,13 +87,18 @@ def scripted(outputs: list[list[int]]) -> ClusterScript:
     return respond
 
 
+def died(g: m.Generate, status: int) -> m.RequestError:
+    """The request's error once token 0 is out: its decode worker died."""
+    return m.RequestError(request_id=g.request_id, status=status, message="decode worker d0 died")
+
+
 def state_for(tiny_dir: Path, tmp_path: Path) -> m.ClusterState:
     models = [
-        m.ServedModel("tiny", str(tiny_dir), max_model_len=256, ready=True),
-        m.ServedModel("broken", str(tmp_path / "no-model"), max_model_len=64, ready=True),
-        m.ServedModel("warming", str(tiny_dir), max_model_len=256, ready=False),
+        served_model("tiny", 256, root=str(tiny_dir)),
+        served_model("broken", 64, root=str(tmp_path / "no-model")),
+        m.ServedModel(name="warming", root=str(tiny_dir), max_model_len=256, ready=False),
     ]
-    return m.ClusterState(models, WORKERS)
+    return m.ClusterState(models=models, workers=WORKERS)
 
 
 @contextlib.contextmanager
@@ -78,12 +109,12 @@ def serving(app: FastAPI) -> Iterator[str]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        if not wait_for(lambda: server.started or not thread.is_alive(), timeout=10):
+        if not wait_for(lambda: server.started or not thread.is_alive()):
             raise RuntimeError("uvicorn did not start")
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=60)
         sock.close()
 
 
@@ -100,11 +131,29 @@ def cluster(outputs: list[list[int]]) -> Iterator[FakeCluster]:
     fake.close()
 
 
+# How long the gateway trusts its last ClusterState: far longer than a loaded machine can keep it
+# waiting for the next (hellos go out every 20 ms), so only a test that silences the fake
+# coordinator on purpose ever sees it stale; those use SILENT_S and wait for the effect.
+STATE_TIMEOUT_S = 60.0
+SILENT_S = 0.5
+
+
+@contextlib.contextmanager
+def zmq_gateway(
+    cluster: FakeCluster,
+    state_timeout_s: float = STATE_TIMEOUT_S,
+    config: GatewayConfig | None = None,
+) -> Iterator[tuple[str, ZmqBackend]]:
+    backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=state_timeout_s)
+    app = gateway_app(backend) if config is None else gateway_app(backend, config)
+    with serving(app) as url:
+        yield url, backend
+
+
 @pytest.fixture
 def gateway(cluster: FakeCluster) -> Iterator[tuple[str, ZmqBackend]]:
-    backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=0.5)
-    with serving(gateway_app(backend)) as url:
-        yield url, backend
+    with zmq_gateway(cluster) as served:
+        yield served
 
 
 @pytest.fixture
@@ -117,26 +166,28 @@ def url(
     return gateway[0]
 
 
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 @pytest.fixture
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+    return openai_client(url)
 
 
-def test_health_follows_cluster_state(
-    gateway: tuple[str, ZmqBackend], cluster: FakeCluster, tiny_dir: Path, tmp_path: Path
-) -> None:
-    url, backend = gateway
-    assert wait_for(lambda: len(cluster.hellos) >= 2)
-    assert cluster.hellos[0] == m.GatewayHello(backend.stream_address)
-    response = httpx.get(f"{url}/health")
-    assert (response.status_code, response.json()["error"]["code"]) == (
-        503, "service_unavailable",
-    )  # fmt: skip
-    assert httpx.get(f"{url}/v1/models").json() == {"object": "list", "data": []}
-    cluster.state = state_for(tiny_dir, tmp_path)
-    assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
-    cluster.state = None  # the coordinator falls silent: stale after state_timeout_s
-    assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, timeout=3)
+def test_health_follows_cluster_state(cluster: FakeCluster, tiny_dir: Path, tmp_path: Path) -> None:
+    with zmq_gateway(cluster, state_timeout_s=SILENT_S) as (url, backend):
+        assert wait_for(lambda: len(cluster.hellos) >= 2)
+        assert cluster.hellos[0] == m.GatewayHello(backend.stream_address)
+        response = httpx.get(f"{url}/health")
+        assert (response.status_code, response.json()["error"]["code"]) == (
+            503, "service_unavailable",
+        )  # fmt: skip
+        assert httpx.get(f"{url}/v1/models").json() == {"object": "list", "data": []}
+        cluster.state = state_for(tiny_dir, tmp_path)
+        assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+        cluster.state = None  # the coordinator falls silent: stale after state_timeout_s
+        assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 503)
 
 
 def test_models_lists_ready_models_with_a_tokenizer(
@@ -174,9 +225,13 @@ def test_completion_n2_tokens_out_of_order(
     assert full.usage is not None and full.usage.completion_tokens == sum(map(len, outputs))
     (g,) = cluster.generates
     assert g == m.Generate(
-        full.id, "tiny", tok.encode("Hi"), m.SamplingParams(max_tokens=16), 2,
-        gateway[1].stream_address,
-    )  # fmt: skip
+        request_id=full.id,
+        model="tiny",
+        prompt_token_ids=tok.encode("Hi"),
+        sampling=m.SamplingParams(max_tokens=16),
+        n=2,
+        stream_address=gateway[1].stream_address,
+    )
     batch = client.completions.create(model="tiny", prompt=["Hi", "Yo"], n=2, max_tokens=16)
     assert [c.text for c in batch.choices] == [*texts, *texts]
     assert sorted(g.request_id for g in cluster.generates[1:]) == [f"{batch.id}-0",
@@ -199,7 +254,9 @@ def test_chat_stream_n2(client: openai.OpenAI, outputs: list[list[int]], tok: To
 def test_admission_failure_is_the_http_status(
     status: int, url: str, client: openai.OpenAI, cluster: FakeCluster
 ) -> None:
-    cluster.respond = lambda g: [("coordinator", m.RequestError(g.request_id, status, "no room"))]
+    cluster.respond = lambda g: [
+        ("coordinator", m.RequestError(request_id=g.request_id, status=status, message="no room"))
+    ]
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model="tiny", prompt="Hi")
     code, kind = {429: ("rate_limit_exceeded", "rate_limit_error"),
@@ -216,16 +273,20 @@ def test_admission_failure_is_the_http_status(
 
 
 def test_stream_error_after_first_token_is_an_event(url: str, cluster: FakeCluster) -> None:
+    token_read = threading.Event()  # the error comes once the client has the first token
     cluster.respond = lambda g: [
         ("coordinator", m.Accepted(g.request_id, 0)),
         ("prefill", chunk(g, 0, 0, [100])),
-        ("sleep", 0.2),
-        ("coordinator", m.RequestError(g.request_id, 503, "decode worker d0 died")),
+        ("wait", token_read),
+        ("coordinator", died(g, 503)),
     ]
     body = {"model": "tiny", "prompt": "Hi", "stream": True}
-    response = httpx.post(f"{url}/v1/completions", json=body)
-    assert response.status_code == 200
-    events = [e for e in response.text.split("\n\n") if e]
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        events = [next(line for line in lines if line)]
+        token_read.set()
+        events += [line for line in lines if line]
     assert json.loads(events[0].removeprefix("data: "))["choices"][0]["index"] == 0
     assert json.loads(events[-2].removeprefix("data: "))["error"]["message"] == (
         "decode worker d0 died"
@@ -236,7 +297,7 @@ def test_stream_error_after_first_token_is_an_event(url: str, cluster: FakeClust
 def test_error_after_first_token(url: str, client: openai.OpenAI, cluster: FakeCluster) -> None:
     cluster.respond = lambda g: [
         ("prefill", chunk(g, 0, 0, [100])),
-        ("coordinator", m.RequestError(g.request_id, 500, "decode worker d0 died")),
+        ("coordinator", died(g, 500)),
     ]
     with pytest.raises(openai.InternalServerError) as failed:
         client.completions.create(model="tiny", prompt="Hi")
@@ -244,13 +305,20 @@ def test_error_after_first_token(url: str, client: openai.OpenAI, cluster: FakeC
 
 
 def test_silent_coordinator_fails_waiting_requests(
-    url: str, client: openai.OpenAI, cluster: FakeCluster
+    cluster: FakeCluster, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    cluster.respond = lambda g: []
-    threading.Timer(0.1, lambda: setattr(cluster, "state", None)).start()
-    with pytest.raises(openai.APIStatusError) as failed:
-        client.completions.create(model="tiny", prompt="Hi")
+    def falls_silent(g: m.Generate) -> list[tuple[str, Any]]:
+        cluster.state = None  # no answer, and no ClusterState from now on
+        return []
+
+    cluster.respond = falls_silent
+    cluster.state = state_for(tiny_dir, tmp_path)
+    with zmq_gateway(cluster, state_timeout_s=SILENT_S) as (url, _):
+        assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+        with pytest.raises(openai.APIStatusError) as failed:
+            openai_client(url).completions.create(model="tiny", prompt="Hi")
     assert failed.value.status_code == 503
+    wait_until(lambda: len(cluster.generates) == 1, what="the Generate at the cluster")
     rid = cluster.generates[0].request_id
     message = f"no answer from the coordinator for request {rid}"
     assert failed.value.response.json()["error"]["message"] == message
@@ -261,10 +329,11 @@ def test_request_timeout_aborts_on_the_cluster(
 ) -> None:
     cluster.state = state_for(tiny_dir, tmp_path)
     cluster.respond = lambda g: [("prefill", chunk(g, 0, 0, [100]))]  # then nothing
-    backend = ZmqBackend(cluster.address, hello_interval_s=0.02, state_timeout_s=0.5)
-    with serving(gateway_app(backend, GatewayConfig(request_timeout_s=0.5))) as url:
+    with zmq_gateway(cluster, config=GatewayConfig(request_timeout_s=0.5)) as (url, _):
         assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
-        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+        body = {"model": "tiny", "prompt": "Hi"}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        wait_until(lambda: len(cluster.aborts) == 1, what="the abort at the cluster")
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "timeout"
     assert cluster.aborts == [m.Abort(cluster.generates[0].request_id, "gateway")]
@@ -277,11 +346,11 @@ def test_client_disconnect_sends_abort(
     cluster.respond = lambda g: [("prefill", chunk(g, 0, 0, [100]))]  # then nothing
     body = {"model": "tiny", "prompt": "Hi", "stream": stream}
     if stream:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             next(response.iter_lines())  # the first token's event
     else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+        with abandoned_post(url, "/v1/completions", body):
+            wait_until(lambda: len(cluster.generates) == 1, what="the Generate at the cluster")
     assert wait_for(lambda: len(cluster.aborts) == 1)
     assert cluster.aborts == [m.Abort(cluster.generates[0].request_id, "gateway")]
     cluster.respond = scripted(outputs)
@@ -306,7 +375,10 @@ def test_bad_messages_on_the_stream_are_dropped(
             decode(frames)
         expected.append(f"dropped a bad message on the token stream: {e.value}")
     expected.append("dropped an unexpected Abort on the token stream")
-    unknown = m.TokenChunk("no-such-request", 0, 0, [1], None, True, "stop", 1, 0)  # silent
+    unknown = m.TokenChunk(request_id="no-such-request", choice=0, index=0, token_ids=[1],
+                           logprobs=None, finished=True, finish_reason="stop",
+                           num_prompt_tokens=1, num_cached_tokens=0)  # fmt: skip
+    # (silent)
     # one socket, one receive loop: once the line for a last Abort is in, the unknown chunk
     # before it was handled, and had it said anything it would stand before that line
     last = m.Abort("after the unknown chunk", "y")
@@ -314,7 +386,7 @@ def test_bad_messages_on_the_stream_are_dropped(
     ctx = zmq.Context()
     rogue = make_socket(ctx, zmq.PUSH, gateway[1].stream_address, bind=False)
     try:
-        for frames in [*bad, encode(m.Abort("x", "y")), encode(m.TokenBatch([unknown]))]:
+        for frames in [*bad, encode(m.Abort("x", "y")), encode(m.TokenBatch(chunks=[unknown]))]:
             rogue.send_multipart(frames)
         rogue.send_multipart(encode(last))
         assert wait_for(lambda: len(caplog.records) >= len(expected))
@@ -338,26 +410,41 @@ def test_metrics_has_per_worker_gauges(url: str) -> None:
         assert families[name] == ("gauge", {(name, prefill): p, (name, decode_): d})
 
 
+def ending(choice: int, index: int, ids: list[int], finished: bool, reason: str) -> m.TokenChunk:
+    """A chunk of request "r" (12 prompt tokens) with ``finished`` and ``reason`` as given."""
+    return m.TokenChunk(
+        request_id="r",
+        choice=choice,
+        index=index,
+        token_ids=ids,
+        logprobs=None,
+        finished=finished,
+        finish_reason=reason,
+        num_prompt_tokens=12,
+        num_cached_tokens=0,
+    )
+
+
 def test_a_finish_the_gateway_never_asked_for_fails_the_request() -> None:
     for reason in ("stop", "length"):
-        check_finish(m.TokenChunk("r", 0, 0, [7], None, True, reason, 12, 0))
-    check_finish(m.TokenChunk("r", 0, 0, [7], None, False, "abort", 12, 0))  # not finished
+        check_finish(ending(0, 0, [7], True, reason))
+    check_finish(ending(0, 0, [7], False, "abort"))  # not finished
     with pytest.raises(BackendError) as aborted:
-        check_finish(m.TokenChunk("r", 0, 0, [], None, True, "abort", 12, 0))
+        check_finish(ending(0, 0, [], True, "abort"))
     assert (aborted.value.status, aborted.value.message) == (
         503, "request r choice 0 was aborted by the cluster",
     )  # fmt: skip
     with pytest.raises(BackendError, match="request r choice 1 ended with 'eos'"):
-        check_finish(m.TokenChunk("r", 1, 3, [], None, True, "eos", 12, 0))
+        check_finish(ending(1, 3, [], True, "eos"))
 
 
 def test_sampling_goes_on_the_wire_as_it_is() -> None:
     """No conversion is left to fail: a parameter the protocol has no field for cannot be made,
     and what is made travels whole (``Generate`` carries the gateway's own object)."""
     sampling = m.SamplingParams(max_tokens=5, seed=3)
-    assert decode(encode(m.Generate("r", "tiny", [1], sampling, 1, "ipc://gw"))).sampling == (
-        sampling
-    )
+    sent = m.Generate(request_id="r", model="tiny", prompt_token_ids=[1], sampling=sampling,
+                      n=1, stream_address="ipc://gw")  # fmt: skip
+    assert decode(encode(sent)).sampling == sampling
     with pytest.raises(TypeError, match="best_of"):
         m.SamplingParams(best_of=2)  # type: ignore[call-arg]
 
@@ -370,9 +457,7 @@ def test_submit_without_a_coordinator_is_503() -> None:
         await backend.start()
         try:
             with pytest.raises(BackendError) as refused:
-                await backend.submit(
-                    GenerateRequest("r", "tiny", [1, 2], m.SamplingParams(max_tokens=2))
-                )
+                await backend.submit(generate("r", [1, 2], m.SamplingParams(max_tokens=2)))
             await backend.abort("r")  # idempotent, and harmless with no coordinator
             await backend.abort("r")
             return refused.value
@@ -434,7 +519,7 @@ def test_stream_headers_go_out_once_accepted(url: str, cluster: FakeCluster) -> 
         ("prefill", chunk(g, 1, 0, [101], finish_reason="length")),
     ]
     body = {"model": "tiny", "prompt": "Hi", "stream": True, "n": 2, "max_tokens": 1}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         first_token.set()
         text = response.read().decode()
@@ -444,7 +529,12 @@ def test_stream_headers_go_out_once_accepted(url: str, cluster: FakeCluster) -> 
 def test_refusal_of_a_later_choice_refuses_the_request(url: str, cluster: FakeCluster) -> None:
     cluster.respond = lambda g: [
         ("coordinator", m.Accepted(g.request_id, 0)),
-        ("coordinator", m.RequestError(g.request_id, 503, "no room for choice 1", 1)),
+        (
+            "coordinator",
+            m.RequestError(
+                request_id=g.request_id, status=503, message="no room for choice 1", choice=1
+            ),
+        ),
     ]
     body = {"model": "tiny", "prompt": "Hi", "stream": True, "n": 2}
     response = httpx.post(f"{url}/v1/completions", json=body)

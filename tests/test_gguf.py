@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdserve.engine.gguf import BF16, F16, F32, Q4_0, Q4_1, Q8_0, GGUFError, GGUFFile, dequantize
-from pdserve.engine.gguf_convert import convert_gguf, unpermute_rotary
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.models.gguf import BF16, F16, F32, Q4_0, Q4_1, Q8_0, GGUFError, GGUFFile, dequantize
+from pdserve.models.gguf_convert import convert_gguf, unpermute_rotary
 from tests.engine_util import greedy, make_engine
 
 QTYPES = {
@@ -110,7 +110,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType | No
 
 
 def _gguf_names(layers: int) -> dict[str, str]:
-    from pdserve.engine.gguf_convert import _GLOBAL_NAMES, _LAYER_NAMES
+    from pdserve.models.gguf_convert import _GLOBAL_NAMES, _LAYER_NAMES
 
     names = dict(_GLOBAL_NAMES)
     for i in range(layers):

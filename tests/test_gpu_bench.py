@@ -1,4 +1,4 @@
-"""bench/gpu.py where CUDA is off (hidden from it on a GPU machine): exits 0 at once and
+"""bench/micro/gpu.py where CUDA is off (hidden from it on a GPU machine): exits 0 at once and
 prints its whole table, every row skipped with engine/platform.py's reason."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_without_cuda_every_row_is_skipped_with_its_reason(tmp_path) -> None:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu.py"), f"--json={out}"],
+        [sys.executable, str(ROOT / "bench" / "micro" / "gpu.py"), f"--json={out}"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -28,10 +28,10 @@ GPU_MODULES = [
     "pdserve.kvtransfer.gpu_receiver",
     "pdserve.kvtransfer.cuda_ipc_backend",
     "pdserve.kvtransfer.nccl_backend",
-    "pdserve.bench.gpu",
-    "pdserve.bench.gpu_model",
-    "pdserve.bench.gpu_attention",
-    "pdserve.bench.gpu_serving",
+    "pdserve.bench.micro.gpu",
+    "pdserve.bench.micro.gpu_model",
+    "pdserve.bench.micro.gpu_attention",
+    "pdserve.bench.micro.gpu_serving",
 ]
 
 

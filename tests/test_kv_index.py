@@ -94,14 +94,16 @@ def test_a_change_log_past_its_bound_becomes_a_snapshot() -> None:
 
 
 def events(seq: int, stored=(), evicted=(), epoch="e1", **kw) -> m.KVEvents:
-    return m.KVEvents("p0", epoch, seq, list(stored), list(evicted), **kw)
+    return m.KVEvents(
+        worker_id="p0", epoch=epoch, seq=seq, stored=list(stored), evicted=list(evicted), **kw
+    )
 
 
 def test_index_prefix_runs_stop_at_the_first_missing_block() -> None:
     index = KVIndex()
     ha, hb = hashes(A), hashes(B)
     index.apply(events(0, [ha[0], ha[1], ha[2]]), 64)
-    index.apply(m.KVEvents("p1", "x", 0, [ha[0], ha[2], hb[0]]), 64)
+    index.apply(m.KVEvents(worker_id="p1", epoch="x", seq=0, stored=[ha[0], ha[2], hb[0]]), 64)
     assert index.prefix_blocks(ha, ["p0", "p1", "p2"]) == {"p0": 3, "p1": 1, "p2": 0}
     assert index.prefix_blocks(hb, ["p0", "p1"]) == {"p0": 0, "p1": 1}
     index.apply(events(1, evicted=[ha[1]]), 64)
@@ -165,8 +167,17 @@ def test_malformed_kv_events_are_refused(msg: m.KVEvents, problem: str) -> None:
 
 def test_registry_takes_events_only_from_the_registered_worker() -> None:
     reg = WorkerRegistry()
-    layout = m.KVLayout(4, "float32", 2, 2, 8)
-    info = m.Register("prefill", "p0", "tiny", "inproc://p0", "", "zmq", layout, 64)
+    layout = m.KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    info = m.Register(
+        role="prefill",
+        worker_id="p0",
+        model="tiny",
+        control_address="inproc://p0",
+        transfer_address="",
+        transfer_backend="zmq",
+        layout=layout,
+        num_blocks=64,
+    )
     assert reg.admit(info, "key-a")
     reg.register(info, time.monotonic())
     ha = hashes(A)
@@ -175,7 +186,9 @@ def test_registry_takes_events_only_from_the_registered_worker() -> None:
     assert reg.admit(events(0, ha), "key-a")
     reg.kv_events(events(0, ha))
     assert reg.kv.held["p0"] == set(ha)
-    reg.kv_events(m.KVEvents("p9", "e", 0, ha))  # never registered: ignored
+    reg.kv_events(
+        m.KVEvents(worker_id="p9", epoch="e", seq=0, stored=ha)
+    )  # never registered: ignored
     assert "p9" not in reg.kv.held
     reg.register(info, time.monotonic())  # the keep-alive: nothing forgotten
     assert reg.kv.held["p0"] == set(ha)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import time
 
 import httpx
@@ -18,6 +19,7 @@ from pdserve.protocol.prefix import block_hashes
 from tests.cluster_util import Cluster
 from tests.e2e_util import ServedCluster
 from tests.engine_util import hf_greedy, make_engine, prompts
+from tests.gateway_util import wait_until
 
 SPEC = m.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -223,21 +225,34 @@ def test_serve_passes_the_routing_flags_on() -> None:
     assert coordinator.parse_args([]).routing == "kv"
 
 
+def prefill_tokens(c: ServedCluster) -> float:
+    """Prompt tokens the prefill workers computed or found cached, as /metrics has them."""
+    names = "prefill_tokens|prefix_hit_tokens"
+    pattern = rf'^pdserve_worker_(?:{names})_total\{{role="prefill",[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, c.metrics(), re.M))
+
+
 def test_served_cluster_routes_a_repeated_prompt_to_its_cache(tiny_dir) -> None:
     """Real processes: the worker's KVEvents cross CURVE sockets with its heartbeats."""
     c = ServedCluster(tiny_dir, "--prefill=2", "--num-kv-blocks=512", "--routing=kv")
     try:
         prompt = " ".join(f"word{i}" for i in range(60))
         body = {"model": c.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        computed = prefill_tokens(c)
         usages = []
         for _ in range(2):
-            r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+            r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             usages.append(r.json()["usage"])
-            time.sleep(2.5)  # the prefill worker's next period publishes what it cached
+            # A worker sends its period's KVEvents, then its Heartbeat, on one socket: once the
+            # coordinator passes on totals that count this prompt's tokens, it has applied the
+            # blocks the prompt cached.
+            computed += r.json()["usage"]["prompt_tokens"]
+            wait_until(lambda want=computed: prefill_tokens(c) >= want, what="the prompt counted")
         n = usages[0]["prompt_tokens"]
         cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
         assert cached == [0, (n - 1) // 16 * 16]  # blocks of 16: all but the last token's
+        wait_until(lambda: "prefill_kv_hit" in c.metrics(), what="the second route in /metrics")
         text = c.metrics()
         assert 'pdserve_routing_decisions_total{reason="prefill_kv_miss"} 1.0' in text, text
         assert 'pdserve_routing_decisions_total{reason="prefill_kv_hit"} 1.0' in text

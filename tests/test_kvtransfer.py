@@ -26,7 +26,7 @@ from pdserve.kvtransfer.base import (
 )
 from pdserve.kvtransfer.common import layout_of
 from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
-from pdserve.protocol.sockets import free_port, ipc_address
+from pdserve.runtime.sockets import free_port, ipc_address
 from tests.gateway_util import wait_for
 
 # the transfer secret each receiver returned from ``expect``, by request id
@@ -41,7 +41,7 @@ def cache(seed: int, dtype: torch.dtype = torch.float32, shape=SHAPE, layers: in
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
 
 
-def wait(poll: Callable[[], KVPoll], timeout_s: float = 5.0) -> KVPoll:
+def wait(poll: Callable[[], KVPoll], timeout_s: float = 60.0) -> KVPoll:
     deadline = time.monotonic() + timeout_s
     while not (state := poll()).finished and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -89,7 +89,7 @@ def test_exact_bytes_in_listed_blocks_only(make, backend, dtype, checksum) -> No
     receiver = make.receiver(dst, require_checksum=checksum)
     sender = make.sender(checksum=checksum)
     src_ids, dst_ids = [5, 0, 3], [2, 9, 4]
-    SECRETS["r1"] = receiver.expect("r1", dst_ids, timeout_s=5)
+    SECRETS["r1"] = receiver.expect("r1", dst_ids, timeout_s=60)
     assert receiver.poll("r1") is KVPoll.PENDING
     sender.send(
         TransferSpec("r1", src_ids, dst_ids, receiver.address, secret=SECRETS.get("r1", b"")), src
@@ -339,13 +339,19 @@ def test_transfer_spec_and_factory_errors() -> None:
 
 def test_layouts() -> None:
     layers = cache(1, torch.bfloat16)
-    assert layout_of(layers) == KVLayout(4, "bfloat16", 3, 2, 8)
+    assert layout_of(layers) == KVLayout(
+        block_size=4, dtype="bfloat16", num_layers=3, num_kv_heads=2, head_dim=8
+    )
     with pytest.raises(ValueError, match=r"KV layer 1 is \[10, 2, 4, 2, 8\] torch.float32"):
         layout_of([layers[0], layers[1].float()])
-    a = KVLayout(16, "bfloat16", 2, 2, 64)
+    a = KVLayout(block_size=16, dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64)
     check_layouts(a, a)
     with pytest.raises(LayoutMismatchError) as info:
-        check_layouts(a, KVLayout(32, "float32", 2, 2, 64), names=("prefill p0", "decode d0"))
+        check_layouts(
+            a,
+            KVLayout(block_size=32, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=64),
+            names=("prefill p0", "decode d0"),
+        )
     assert str(info.value) == (
         "KV layouts of prefill p0 and decode d0 differ: block_size prefill p0=16 decode d0=32, "
         "dtype prefill p0='bfloat16' decode d0='float32'"

@@ -15,18 +15,36 @@ import pytest
 import zmq
 
 from pdserve.protocol import messages as m
-from pdserve.protocol.liveness import Liveness
-from pdserve.protocol.loop import PushOutbox, serve
-from pdserve.protocol.sockets import bound_address, make_socket, recv_msg
+from pdserve.runtime.liveness import Liveness
+from pdserve.runtime.loop import PushOutbox, serve
+from pdserve.runtime.sockets import bound_address, make_socket, recv_msg
 
 LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
-REGISTER = m.Register("both", "w0", "tiny", "tcp://127.0.0.1:1", "", "zmq", LAYOUT, 128)
+REGISTER = m.Register(
+    role="both",
+    worker_id="w0",
+    model="tiny",
+    control_address="tcp://127.0.0.1:1",
+    transfer_address="",
+    transfer_backend="zmq",
+    layout=LAYOUT,
+    num_blocks=128,
+)
 PERIOD_S = 0.05
-WAIT_S = 10.0  # a bound on every wait below, never a reason for one to pass
+WAIT_S = 60.0  # a bound on every wait below, never a reason for one to pass
 
 
 def status(running: int, draining: bool = False) -> m.Heartbeat:
-    return m.Heartbeat("w0", 100, 28, 128, running, 0, 0, draining)
+    return m.Heartbeat(
+        worker_id="w0",
+        free_blocks=100,
+        used_blocks=28,
+        total_blocks=128,
+        running=running,
+        waiting=0,
+        queued_prompt_tokens=0,
+        draining=draining,
+    )
 
 
 # ---- the schedule, on a fake clock -----------------------------------------------------------
@@ -59,7 +77,7 @@ def test_keepalives_every_period_each_status_once_and_silence_when_wedged(tmp_pa
     assert sent == [(0.0, REGISTER), (0.6, hb1)] + [(float(t), REGISTER) for t in range(1, 13)]
     assert not lv.stalled and "stack" not in caplog.text
 
-    with caplog.at_level(logging.ERROR, logger="pdserve.protocol.liveness"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.runtime.liveness"):
         for t in range(13, 20):
             at(float(t))
     assert len(sent) == 14  # silent from t=13: quiet 11 s > 10 s
@@ -211,7 +229,7 @@ def test_a_wedged_loop_goes_silent_with_its_stacks_and_speaks_again(rig, tmp_pat
                 three_silent_ticks.set()
 
     r.liveness.tick = counted_tick
-    with caplog.at_level(logging.WARNING, logger="pdserve.protocol.liveness"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.runtime.liveness"):
         r.thread.start()
         assert r.worker.in_long_step.wait(WAIT_S)
         assert three_silent_ticks.wait(WAIT_S)

@@ -1,4 +1,4 @@
-"""engine.make_model: deterministic HF checkpoints that transformers loads unmodified."""
+"""models.make_model: deterministic HF checkpoints that transformers loads unmodified."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from pdserve.engine import make_model as mm
-from pdserve.engine.make_model import default_model_dir, make_model
-from pdserve.engine.make_tokenizer import train_tokenizer
+from pdserve.models import make_model as mm
+from pdserve.models.make_model import default_model_dir, make_model
+from pdserve.models.make_tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -211,7 +211,7 @@ def test_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_default_model_dir_concurrent_makers(tmp_path: Path) -> None:
-    code = "from pdserve.engine.make_model import default_model_dir; print(default_model_dir())"
+    code = "from pdserve.models.make_model import default_model_dir; print(default_model_dir())"
     env = {**os.environ, "PDSERVE_HOME": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.decode.record import DecodeState
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.protocol import messages as m
+from pdserve.protocol.keys import ChoiceKey
 from pdserve.protocol.sampling import SamplingParams
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
@@ -45,7 +47,10 @@ def assert_idle(cluster: Cluster) -> None:
     assert cluster.coordinator.routes == {}
     for w in cluster.workers.values():
         assert not w.in_flight()
-        assert not w.engine.requests and not w.engine.held and not w.engine.reserved
+        assert not w.records
+        engine = w.engine
+        assert not engine.requests and not engine.requests.held and not engine.requests.due
+        assert not engine.scheduler.has_unfinished() and not engine.scheduler.waiting_for_kvs
 
 
 def test_n4_prefills_and_moves_the_prompt_once(clusters, tiny_dir) -> None:
@@ -113,9 +118,9 @@ def test_abort_while_decoding_frees_every_choice(clusters) -> None:
     cluster.submit("r", prompts(512, [30], seed=74)[0], spec, n=4)
     for _ in range(200):
         cluster.pump_round()
-        if len(cluster.workers["d0"].running) == 4:
+        if len(cluster.workers["d0"].keys_in(DecodeState.RUNNING)) == 4:
             break
-    assert len(cluster.workers["d0"].running) == 4
+    assert len(cluster.workers["d0"].keys_in(DecodeState.RUNNING)) == 4
     cluster.bus.queue.append(("coordinator", m.Abort("r", "client disconnected")))
     cluster.pump()
     assert_idle(cluster)
@@ -126,9 +131,11 @@ def test_abort_before_the_transfer_frees_the_shared_reservation(clusters) -> Non
     cluster.submit("r", prompts(512, [30], seed=75)[0], GREEDY, n=4)
     for _ in range(50):
         cluster.deliver_next() if cluster.bus.queue else None
-        if cluster.workers["d0"].reserved:
+        if cluster.workers["d0"].keys_in(DecodeState.RESERVED):
             break
-    assert len(cluster.workers["d0"].engine.reserved) == 1  # one reservation for the four
+    # one reservation for the four
+    assert cluster.workers["d0"].keys_in(DecodeState.RESERVED) == [ChoiceKey("r", 0)]
+    assert list(cluster.workers["d0"].engine.scheduler.waiting_for_kvs) == [ChoiceKey("r", 0)]
     cluster.bus.queue.append(("coordinator", m.Abort("r", "client disconnected")))
     cluster.pump()
     assert_idle(cluster)

@@ -62,8 +62,8 @@ def test_a_reservation_keeps_its_cached_blocks_from_eviction(tiny_dir) -> None:
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     bm = engine.block_manager
     cached_before = bm.num_cached_blocks
-    ids, hits = engine.reserve_prompt("r", prompt)
+    ids, hits = engine.handoff.reserve_prompt("r", prompt)
     assert hits == 3 and len(ids) == 4  # 13 + 1 tokens: 3 shared, 1 fresh
     assert all(bm.blocks[b].ref_count == 1 for b in ids)
-    engine.cancel_reservation("r")
+    engine.handoff.cancel_reservation("r")
     assert bm.num_used_blocks == 0 and bm.num_cached_blocks == cached_before

@@ -1,5 +1,5 @@
 """protocol: every message round-trips; malformed frames raise ProtocolError with a clear
-message and nothing else; socket helpers move typed messages and drop bad ones."""
+message and nothing else; the runtime's socket helpers move typed messages and drop bad ones."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from pdserve.protocol import sockets
 from pdserve.protocol.codec import registered
-from pdserve.protocol.loop import PushOutbox
 from pdserve.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -45,14 +43,25 @@ from pdserve.protocol.messages import (
     decode,
     encode,
 )
+from pdserve.runtime import sockets
+from pdserve.runtime.loop import PushOutbox
 
 SPEC = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2, 9])
 LOGPROB = TokenLogprob(token_id=5, logprob=-0.25, rank=2, top=[(4, -0.125), (5, -0.25)])
 LAYOUT = KVLayout(block_size=16, dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16)
 SAMPLES = [
-    Register("both", "w0", "tiny", "ipc://c", "tcp://127.0.0.1:5", "zmq", LAYOUT, 128),
+    Register(
+        role="both",
+        worker_id="w0",
+        model="tiny",
+        control_address="ipc://c",
+        transfer_address="tcp://127.0.0.1:5",
+        transfer_backend="zmq",
+        layout=LAYOUT,
+        num_blocks=128,
+    ),
     Heartbeat(
-        "w0",
+        worker_id="w0",
         free_blocks=100,
         used_blocks=28,
         total_blocks=128,
@@ -60,31 +69,117 @@ SAMPLES = [
         waiting=1,
         queued_prompt_tokens=512,
     ),
-    KVEvents("w0", "9f2c", 4, stored=[2**64 - 1, 7], evicted=[0]),
-    KVEvents("w0", "9f2c", 5, stored=[3], snapshot=True, part=1, parts=2),
-    Generate("r1", "tiny", [1, 2, 3], SPEC, n=2, stream_address="ipc://gw"),
-    Reserve("r1", [1, 2, 3], SPEC, n=1, stream_address="ipc://gw"),
-    Reserved("r1", "d0", [4, 9], "tcp://127.0.0.1:6", choice=1),
-    Reserved("r2", "d0", [], "tcp://127.0.0.1:6", error="no free blocks"),
-    PrefillJob("r1", [1, 2, 3], SPEC, 1, [4, 9], "tcp://127.0.0.1:6", "ipc://gw"),
-    TransferDone("r1", [42, 43], [LOGPROB, LOGPROB], num_cached_tokens=16),
-    TokenBatch([TokenChunk("r1", 0, 1, [7, 8], None, False, None, 3, 0)]),
+    KVEvents(worker_id="w0", epoch="9f2c", seq=4, stored=[2**64 - 1, 7], evicted=[0]),
+    KVEvents(worker_id="w0", epoch="9f2c", seq=5, stored=[3], snapshot=True, part=1, parts=2),
+    Generate(
+        request_id="r1",
+        model="tiny",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SPEC,
+        n=2,
+        stream_address="ipc://gw",
+    ),
+    Reserve(
+        request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SPEC, n=1, stream_address="ipc://gw"
+    ),
+    Reserved(
+        request_id="r1",
+        worker_id="d0",
+        block_ids=[4, 9],
+        transfer_address="tcp://127.0.0.1:6",
+        choice=1,
+    ),
+    Reserved(
+        request_id="r2",
+        worker_id="d0",
+        block_ids=[],
+        transfer_address="tcp://127.0.0.1:6",
+        error="no free blocks",
+    ),
+    PrefillJob(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SPEC,
+        n=1,
+        dst_block_ids=[4, 9],
+        transfer_address="tcp://127.0.0.1:6",
+        stream_address="ipc://gw",
+    ),
+    TransferDone(
+        request_id="r1",
+        first_token_ids=[42, 43],
+        first_logprobs=[LOGPROB, LOGPROB],
+        num_cached_tokens=16,
+    ),
     TokenBatch(
         [
-            TokenChunk("r1", 1, 3, [2], [LOGPROB], True, "stop", 3, 16),
-            TokenChunk("r2", 0, 5, [4, 5], None, False, None, 9, 0),
+            TokenChunk(
+                request_id="r1",
+                choice=0,
+                index=1,
+                token_ids=[7, 8],
+                logprobs=None,
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=3,
+                num_cached_tokens=0,
+            )
+        ]
+    ),
+    TokenBatch(
+        [
+            TokenChunk(
+                request_id="r1",
+                choice=1,
+                index=3,
+                token_ids=[2],
+                logprobs=[LOGPROB],
+                finished=True,
+                finish_reason="stop",
+                num_prompt_tokens=3,
+                num_cached_tokens=16,
+            ),
+            TokenChunk(
+                request_id="r2",
+                choice=0,
+                index=5,
+                token_ids=[4, 5],
+                logprobs=None,
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=9,
+                num_cached_tokens=0,
+            ),
         ]
     ),
     Abort("r1", "client disconnected"),
-    RequestError("r1", 503, "no decode worker"),
+    RequestError(request_id="r1", status=503, message="no decode worker"),
     Finished("r1", 1, "d0"),
     Accepted("r1", 1),
     GatewayHello("tcp://127.0.0.1:5557"),
     ClusterState(
-        [ServedModel("tiny", "/models/tiny", 2048, True)],
-        [WorkerStatus("decode", "d0", "tiny", 3, 100, 2, 0)],
+        models=[ServedModel(name="tiny", root="/models/tiny", max_model_len=2048, ready=True)],
+        workers=[
+            WorkerStatus(
+                role="decode",
+                worker_id="d0",
+                model="tiny",
+                used_blocks=3,
+                total_blocks=100,
+                running=2,
+                waiting=0,
+            )
+        ],
     ),
-    KVHeader("r1", [4, 9], 2, "float32", [2, 16, 2, 16], b"\x01" * 16, tag=77),
+    KVHeader(
+        request_id="r1",
+        dst_block_ids=[4, 9],
+        num_layers=2,
+        dtype="float32",
+        block_shape=[2, 16, 2, 16],
+        checksum=b"\x01" * 16,
+        tag=77,
+    ),
 ]
 
 
@@ -138,16 +233,36 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
 
 
 def test_nested_values_come_back_typed() -> None:
-    back = decode(encode(TransferDone("r1", [1], [LOGPROB])))
+    back = decode(
+        encode(TransferDone(request_id="r1", first_token_ids=[1], first_logprobs=[LOGPROB]))
+    )
     assert back.first_logprobs[0].top == [(4, -0.125), (5, -0.25)]
     assert type(back.first_logprobs[0].top[0]) is tuple
-    spec = decode(encode(Generate("r", "m", [1], SamplingParams(temperature=0), 1, "a"))).sampling
+    spec = decode(
+        encode(
+            Generate(
+                request_id="r",
+                model="m",
+                prompt_token_ids=[1],
+                sampling=SamplingParams(temperature=0),
+                n=1,
+                stream_address="a",
+            )
+        )
+    ).sampling
     assert spec.temperature == 0.0 and type(spec.temperature) is float
 
 
 def test_large_bytes_travel_as_extra_frames() -> None:
     payload = bytes(range(256)) * 20  # 5120 bytes, over the out-of-band threshold
-    msg = KVHeader("r1", [1], 1, "float32", [2, 1, 1, 1], payload)
+    msg = KVHeader(
+        request_id="r1",
+        dst_block_ids=[1],
+        num_layers=1,
+        dtype="float32",
+        block_shape=[2, 1, 1, 1],
+        checksum=payload,
+    )
     frames = encode(msg)
     assert len(frames) == 2 and frames[1] == payload
     assert decode(frames) == msg
@@ -203,9 +318,26 @@ FULL_SPEC = SamplingParams(
 )
 def test_sampling_params_round_trip(spec: SamplingParams) -> None:
     for msg in (
-        Generate("r1", "tiny", [1], spec, 1, "ipc://gw"),
-        Reserve("r1", [1], spec, 1, "ipc://gw"),
-        PrefillJob("r1", [1], spec, 1, [4], "tcp://127.0.0.1:6", "ipc://gw"),
+        Generate(
+            request_id="r1",
+            model="tiny",
+            prompt_token_ids=[1],
+            sampling=spec,
+            n=1,
+            stream_address="ipc://gw",
+        ),
+        Reserve(
+            request_id="r1", prompt_token_ids=[1], sampling=spec, n=1, stream_address="ipc://gw"
+        ),
+        PrefillJob(
+            request_id="r1",
+            prompt_token_ids=[1],
+            sampling=spec,
+            n=1,
+            dst_block_ids=[4],
+            transfer_address="tcp://127.0.0.1:6",
+            stream_address="ipc://gw",
+        ),
     ):
         back = decode(encode(msg))
         assert back == msg and back.sampling == spec
@@ -257,7 +389,16 @@ def test_malformed_envelope(frames: list[bytes], message: str) -> None:
 
 
 def generate_frames(**changes: object) -> list[bytes]:
-    (frame,) = encode(Generate("r1", "tiny", [1, 2, 3], SPEC, 1, "ipc://gw"))
+    (frame,) = encode(
+        Generate(
+            request_id="r1",
+            model="tiny",
+            prompt_token_ids=[1, 2, 3],
+            sampling=SPEC,
+            n=1,
+            stream_address="ipc://gw",
+        )
+    )
     fields = msgpack.unpackb(frame)
     for path, value in changes.items():
         *parents, leaf = path.split("__")
@@ -304,7 +445,7 @@ def test_optional_literal_tuple_and_bytes_fields() -> None:
         decode_error([msgpack.packb(bad_role)])
         == "Register.role: expected one of ['prefill', 'decode', 'both'], got 'train'"
     )
-    (frame,) = encode(TransferDone("r1", [1], [LOGPROB]))
+    (frame,) = encode(TransferDone(request_id="r1", first_token_ids=[1], first_logprobs=[LOGPROB]))
     fields = msgpack.unpackb(frame)
     fields["first_logprobs"][0]["top"] = [[4, -0.1, 9]]
     assert (
@@ -386,9 +527,12 @@ def test_fuzz_values_only_protocol_errors() -> None:
     assert rejected > 2000
 
 
-def test_protocol_and_kvtransfer_base_import_no_torch() -> None:
+def test_protocol_runtime_and_kvtransfer_base_import_no_torch() -> None:
     code = (
-        "import sys, pdserve.protocol.sockets, pdserve.protocol.messages, pdserve.kvtransfer.base; "
+        "import sys, pdserve.protocol.messages, pdserve.protocol.codec, pdserve.protocol.blocks, "
+        "pdserve.protocol.prefix, pdserve.protocol.keys, pdserve.runtime.sockets, "
+        "pdserve.runtime.loop, pdserve.runtime.security, pdserve.runtime.liveness, "
+        "pdserve.kvtransfer.base; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -422,13 +566,13 @@ def test_send_recv_over_ipc(tmp_path, zctx, caplog) -> None:
     push = sockets.make_socket(zctx, zmq.PUSH, address, bind=False)
     assert sockets.recv_msg(pull, timeout_ms=10) is None
     sockets.send_msg(push, SAMPLES[1])
-    assert sockets.recv_msg(pull, timeout_ms=2000) == SAMPLES[1]
+    assert sockets.recv_msg(pull, timeout_ms=60_000) == SAMPLES[1]
     push.send_multipart([b"\x92\x01\x02"])
     with caplog.at_level(logging.WARNING):
-        assert sockets.recv_msg(pull, timeout_ms=2000) is None
+        assert sockets.recv_msg(pull, timeout_ms=60_000) is None
     assert "frame 0 must be a map, got list" in caplog.text
     sockets.send_msg(push, SAMPLES[2])
-    assert sockets.recv_msg(pull, timeout_ms=2000) == SAMPLES[2]
+    assert sockets.recv_msg(pull, timeout_ms=60_000) == SAMPLES[2]
 
 
 def test_router_dealer_and_bound_port(zctx) -> None:
@@ -437,10 +581,10 @@ def test_router_dealer_and_bound_port(zctx) -> None:
     assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
     dealer = sockets.make_socket(zctx, zmq.DEALER, address, bind=False)
     sockets.send_msg(dealer, SAMPLES[10])
-    identity, msg = sockets.recv_routed(router, timeout_ms=2000)
+    identity, msg = sockets.recv_routed(router, timeout_ms=60_000)
     assert msg == SAMPLES[10]
     sockets.send_msg(router, SAMPLES[11], identity=identity)
-    assert sockets.recv_msg(dealer, timeout_ms=2000) == SAMPLES[11]
+    assert sockets.recv_msg(dealer, timeout_ms=60_000) == SAMPLES[11]
     with pytest.raises(OSError, match=r"^cannot bind PULL to tcp://256.0.0.1:1: "):
         sockets.make_socket(zctx, zmq.PULL, "tcp://256.0.0.1:1", bind=True)
 
@@ -455,11 +599,21 @@ def test_push_outbox_loses_nothing_to_a_receiver_that_falls_behind(zctx, caplog)
     count, ids = 3000, [100_000] * 1000
     with caplog.at_level(logging.WARNING):
         for i in range(count):
-            chunk = TokenChunk("r", 0, i, ids, None, False, None, 3, 0)
+            chunk = TokenChunk(
+                request_id="r",
+                choice=0,
+                index=i,
+                token_ids=ids,
+                logprobs=None,
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=3,
+                num_cached_tokens=0,
+            )
             outbox.to_gateway(address, TokenBatch([chunk]))
     indices = []
     while len(indices) < count:
-        msg = sockets.recv_msg(pull, timeout_ms=5000)
+        msg = sockets.recv_msg(pull, timeout_ms=60_000)
         assert msg is not None, f"only {len(indices)} of {count} arrived"
         indices.append(msg.chunks[0].index)
     assert indices == list(range(count))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.model_store import KNOWN_MODELS, ModelRecord, cached, resolve_model, verify
-from pdserve.engine.pull import PullError, pull_model, run_models
+from pdserve.models.pull import PullError, pull_model, run_models
+from pdserve.models.store import KNOWN_MODELS, ModelRecord, cached, resolve_model, verify
 from tests.test_gguf import write_gguf
 
 

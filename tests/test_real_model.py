@@ -15,8 +15,8 @@ import sys
 import openai
 import pytest
 
-from pdserve.engine.model_store import KNOWN_MODELS, ModelRecord
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.models.store import KNOWN_MODELS, ModelRecord
 from tests.e2e_util import PDSERVE, ServedCluster
 from tests.engine_util import greedy, hf_greedy, make_engine
 

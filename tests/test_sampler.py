@@ -120,7 +120,7 @@ def test_eos_ends_a_request_unless_ignored(tiny_dir) -> None:
     engine = make_engine(tiny_dir)
     prompt = prompts(engine.model_config.vocab_size, [6], seed=8)[0]
     ref = hf_greedy(tiny_dir, prompt, 8)
-    engine.eos_token_ids = engine.sampler.eos_token_ids = [ref[2]]
+    engine.requests.eos_token_ids = engine.sampler.eos_token_ids = [ref[2]]
     out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert out.new_token_ids == ref[: ref.index(ref[2]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None

@@ -12,18 +12,20 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.coordinator.main import GATEWAY_IDLE_S, _Outbox
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.launch.keygen import keygen
 from pdserve.protocol import messages as m
-from pdserve.protocol.security import KeysError, SecureContext, Security
-from pdserve.protocol.sockets import bound_address, make_socket, recv_from, send_msg
+from pdserve.runtime.security import KeysError, SecureContext, Security
+from pdserve.runtime.sockets import bound_address, make_socket, recv_from, send_msg
 from tests.e2e_util import PDSERVE, ServedCluster
 from tests.engine_util import greedy, make_engine
 from tests.gateway_util import wait_for
@@ -39,17 +41,59 @@ def keys(tmp_path: Path) -> Path:
 def register(
     worker_id: str, num_blocks: int = 64, address: str = "tcp://127.0.0.1:1"
 ) -> m.Register:
-    return m.Register("decode", worker_id, "tiny", address, address, "zmq", LAYOUT, num_blocks)
+    return m.Register(
+        role="decode",
+        worker_id=worker_id,
+        model="tiny",
+        control_address=address,
+        transfer_address=address,
+        transfer_backend="zmq",
+        layout=LAYOUT,
+        num_blocks=num_blocks,
+    )
 
 
 def heartbeat(worker_id: str, used: int, total: int = 64, queued: int = 0) -> m.Heartbeat:
-    return m.Heartbeat(worker_id, total - used, used, total, 0, 0, queued)
+    return m.Heartbeat(
+        worker_id=worker_id,
+        free_blocks=total - used,
+        used_blocks=used,
+        total_blocks=total,
+        running=0,
+        waiting=0,
+        queued_prompt_tokens=queued,
+    )
 
 
 def attempt(sock: zmq.Socket, msg: m.Message) -> None:
     """Send as an attacker would: zmq takes nothing while the handshake keeps failing."""
     with contextlib.suppress(zmq.Again):
         send_msg(sock, msg, flags=zmq.NOBLOCK)
+
+
+# A plain socket meeting a CURVE one: whichever side notices the mismatch first says why.
+MISMATCH = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+
+
+def monitored_push(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A PUSH socket and its event monitor, made before it connects: a refused handshake may
+    be its only one (zmq gives up when it is the side that finds the mismatch)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket()
+    sock.connect(address)
+    return sock, monitor
+
+
+def wait_events(monitor: zmq.Socket, done: Callable[[set[int]], bool], what: str) -> None:
+    """Take events from ``monitor`` (a socket's event monitor) until ``done(events seen)``:
+    the event itself, not a pause, proves a connection was refused."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + 60
+    while not done(seen):
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and monitor.poll(left_ms), f"{what}: not within 60 s"
+        seen.add(recv_monitor_message(monitor)["event"])
 
 
 # ---- keys -----------------------------------------------------------------------------------
@@ -92,13 +136,20 @@ def test_only_authorized_keys_get_through_and_each_message_names_its_sender(
     clients = [SecureContext(w1), SecureContext(other)]
     try:
         inbox = make_socket(server, zmq.PULL, "tcp://127.0.0.1:0", bind=True)
+        monitor = inbox.get_monitor_socket()  # before any peer: no refusal goes unseen
         address = bound_address(inbox)
         pushes = [make_socket(ctx, zmq.PUSH, address, bind=False) for ctx in [*clients, plain]]
         for i, push in enumerate(pushes):
             send_msg(push, m.Abort(f"r{i}", "x"))
-        got = [recv_from(inbox, 1000) for _ in range(3)]
-        assert got[0] == (w1.user_id, m.Abort("r0", "x"))
-        assert got[1:] == [None, None]  # the foreign key and the plain socket: nothing
+        assert recv_from(inbox, 60_000) == (w1.user_id, m.Abort("r0", "x"))
+        # the foreign key and the plain socket: refused at the handshake, so nothing of theirs
+        # is delivered, ever
+        wait_events(
+            monitor,
+            lambda seen: zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen and bool(seen & MISMATCH),
+            "both refused",
+        )
+        assert not inbox.poll(0)
     finally:
         for ctx in [server, *clients, plain]:
             ctx.destroy(linger=0)
@@ -109,12 +160,15 @@ def test_frames_over_the_cap_never_arrive() -> None:
     try:
         inbox = make_socket(ctx, zmq.PULL, "tcp://127.0.0.1:0", bind=True, max_msg_bytes=1000)
         assert inbox.getsockopt(zmq.MAXMSGSIZE) == 1000
+        monitor = inbox.get_monitor_socket()
         big = make_socket(ctx, zmq.PUSH, bound_address(inbox), bind=False)
         big.send(b"x" * 1001)
-        assert not inbox.poll(300)
+        # the inbox drops the connection that brought it, delivering nothing
+        wait_events(monitor, lambda seen: zmq.EVENT_DISCONNECTED in seen, "big dropped")
+        assert not inbox.poll(0)
         small = make_socket(ctx, zmq.PUSH, bound_address(inbox), bind=False)
         small.send(b"x" * 1000)
-        assert inbox.poll(2000) and inbox.recv() == b"x" * 1000
+        assert inbox.poll(60_000) and inbox.recv() == b"x" * 1000
     finally:
         ctx.destroy(linger=0)
 
@@ -149,7 +203,7 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
     w1, w2 = SecureContext(Security.load(keys, "w1")), SecureContext(Security.load(keys, "w2"))
     plain = zmq.Context()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not address_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         coordinator = address_file.read_text()
@@ -161,7 +215,7 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
         def workers() -> dict[str, tuple[int, int]]:
             """worker id -> (used, total) blocks, as the coordinator tells a gateway."""
             send_msg(as_w1, m.GatewayHello(bound_address(state_inbox)))
-            got = recv_from(state_inbox, 5000)
+            got = recv_from(state_inbox, 60_000)
             assert got is not None and isinstance(got[1], m.ClusterState)
             return {w.worker_id: (w.used_blocks, w.total_blocks) for w in got[1].workers}
 
@@ -214,14 +268,29 @@ def test_a_process_without_keys_cannot_register_or_inject(tiny_dir: Path) -> Non
         out = cluster.output()
         coordinator = re.search(r"coordinator inbox: (\S+)", out).group(1)
         stream = re.search(r"token stream at (\S+)", out).group(1)
-        to_coordinator = make_socket(ctx, zmq.PUSH, coordinator, bind=False)
-        to_gateway = make_socket(ctx, zmq.PUSH, stream, bind=False)
+        to_coordinator, coordinator_events = monitored_push(ctx, coordinator)
+        to_gateway, gateway_events = monitored_push(ctx, stream)
         fake = register("fake", num_blocks=1 << 30, address="tcp://127.0.0.1:9")
-        for _ in range(3):
-            attempt(to_coordinator, fake)
-            attempt(to_coordinator, heartbeat("fake", used=0, total=1 << 30))
-            attempt(to_coordinator, m.Heartbeat("decode-1", 0, 0, 0, 0, 0, 0, draining=True))
-            time.sleep(0.3)
+        forged = [
+            fake,
+            heartbeat("fake", used=0, total=1 << 30),
+            m.Heartbeat(
+                worker_id="decode-1",
+                free_blocks=0,
+                used_blocks=0,
+                total_blocks=0,
+                running=0,
+                waiting=0,
+                queued_prompt_tokens=0,
+                draining=True,
+            ),
+        ]
+        for msg in forged:
+            attempt(to_coordinator, msg)
+        for monitor in (coordinator_events, gateway_events):
+            wait_events(monitor, lambda seen: bool(seen & MISMATCH), "the handshake refused")
+        for msg in forged:  # and once refused
+            attempt(to_coordinator, msg)
         expected = make_engine(tiny_dir).generate([[1, 2, 3, 4]], greedy(24))[0].new_token_ids
         body = {
             "model": cluster.model_name,
@@ -244,7 +313,19 @@ def test_a_process_without_keys_cannot_register_or_inject(tiny_dir: Path) -> Non
                         attempt(
                             to_gateway,
                             m.TokenBatch(
-                                [m.TokenChunk(request_id, 0, i, [7], None, i == 29, "stop", 4, 0)]
+                                [
+                                    m.TokenChunk(
+                                        request_id=request_id,
+                                        choice=0,
+                                        index=i,
+                                        token_ids=[7],
+                                        logprobs=None,
+                                        finished=i == 29,
+                                        finish_reason="stop",
+                                        num_prompt_tokens=4,
+                                        num_cached_tokens=0,
+                                    )
+                                ]
                             ),
                         )
                 texts.append(chunk["choices"][0]["text"])

@@ -11,6 +11,7 @@ import re
 import jsonschema_rs
 import pytest
 
+from pdserve.decode.record import DecodeState
 from pdserve.engine.grammar import GrammarCache, grammar_text
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kvtransfer.faults import FaultPlan
@@ -119,9 +120,9 @@ def test_grammar_compiled_once_per_spec(tiny_dir, tok) -> None:
     engine = make_engine(tiny_dir)
     run(engine, tok, JSON_SPEC, range(3))
     run(engine, tok, JSON_SPEC, range(3, 5))
-    assert engine.grammars.compiles == 1
+    assert engine.requests.grammars.compiles == 1
     run(engine, tok, LIST_SPEC, range(1))
-    assert engine.grammars.compiles == 2
+    assert engine.requests.grammars.compiles == 2
 
 
 def test_bad_constraints_are_refused_with_a_reason(tok) -> None:
@@ -144,7 +145,7 @@ def test_continuation_replays_tokens_through_the_matcher(tiny_dir, tok) -> None:
     prompt = tok.encode("resume me")
     params = SamplingParams(max_tokens=120, temperature=0.0, structured=LIST_SPEC)
     whole = engine.generate([prompt], params)[0].new_token_ids
-    engine.add_continuation("r", prompt, whole[:10], params)
+    engine.handoff.add_continuation("r", prompt, whole[:10], params)
     rest = []
     while engine.has_unfinished():
         for out in engine.step():
@@ -154,7 +155,7 @@ def test_continuation_replays_tokens_through_the_matcher(tiny_dir, tok) -> None:
     # tokens the constraint forbids are refused, and nothing is left allocated
     bad = tok.encode("not json at all", add_special_tokens=False)
     with pytest.raises(ValueError, match="does not satisfy the output constraint"):
-        engine.add_continuation("bad", prompt, bad, params)
+        engine.handoff.add_continuation("bad", prompt, bad, params)
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -249,11 +250,11 @@ def test_migration_after_decode_death_still_validates(tiny_dir, tok) -> None:
     cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir), make_engine(tiny_dir)])
     try:
         cluster.submit("r", prompt, spec)
-        while not any(getattr(w, "running", None) for w in cluster.workers.values()):
+        while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
             cluster.pump_round()
         for _ in range(5):
             cluster.pump_round()
-        [dead] = [wid for wid, w in cluster.workers.items() if getattr(w, "running", None)]
+        [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
         kill(cluster, dead)
         cluster.pump()
         chunks = sorted(
@@ -264,7 +265,14 @@ def test_migration_after_decode_death_still_validates(tiny_dir, tok) -> None:
         assert 0 < len(so_far) < 40
         cluster.bus.gateway["gw"].clear()
         resume = m.Generate(
-            "r", "tiny", prompt, spec, 1, "gw", resume_choice=0, resume_token_ids=so_far
+            request_id="r",
+            model="tiny",
+            prompt_token_ids=prompt,
+            sampling=spec,
+            n=1,
+            stream_address="gw",
+            resume_choice=0,
+            resume_token_ids=so_far,
         )
         cluster.bus.queue.append(("coordinator", resume))
         cluster.pump()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from pdserve.engine.make_model import make_model
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.models.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("llama", "qwen2", "qwen3")

@@ -13,10 +13,10 @@ import jsonschema_rs
 import openai
 import pytest
 
-from pdserve.engine.gguf_convert import tool_chat_template
-from pdserve.engine.model_store import RECORD_FILE
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_models import ChatCompletionRequest
+from pdserve.models.gguf_convert import tool_chat_template
+from pdserve.models.store import RECORD_FILE
 from tests.e2e_util import ServedCluster
 
 # bounded schemas: a random model cannot run a constrained call past max_tokens

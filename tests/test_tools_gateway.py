@@ -13,13 +13,12 @@ import httpx
 import openai
 import pytest
 
-from pdserve.engine.make_model import make_model
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import ModelInfo
 from pdserve.gateway.config import GatewayConfig
-from tests.gateway_util import FakeBackend, Script, Served, serving_config
+from pdserve.models.make_model import make_model
+from tests.gateway_util import FakeBackend, Script, Served, served_model, serving_config
 
-MODELS = [ModelInfo(name, f"/models/{name}", max_model_len=2048) for name in ("hermes", "llama3")]
+MODELS = [served_model(name, max_model_len=2048) for name in ("hermes", "llama3")]
 WEATHER = {
     "type": "function",
     "function": {

@@ -10,9 +10,7 @@ import jsonschema_rs
 import pytest
 
 from pdserve.engine.grammar import grammar_text
-from pdserve.engine.make_model import add_make_model_args, make_model, run_make_model
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.backend import ModelInfo
 from pdserve.gateway.config import GatewayConfig, config_from_args
 from pdserve.gateway.errors import OpenAIError, from_validation
 from pdserve.gateway.jobs import prepare_chat
@@ -22,9 +20,11 @@ from pdserve.gateway.tools.constraint import required_schema, tool_choice_constr
 from pdserve.gateway.tools.request import ToolPlan, template_features, tool_plan
 from pdserve.launch.serve import add_serve_args
 from pdserve.launch.serve_api import gateway_api_flags
+from pdserve.models.make_model import add_make_model_args, make_model, run_make_model
+from tests.gateway_util import served_model
 from tests.test_gateway_requests import validation_error
 
-MODEL = ModelInfo("tiny", "/models/tiny", max_model_len=2048)
+MODEL = served_model("tiny", max_model_len=2048)
 WEATHER = {
     "type": "function",
     "function": {

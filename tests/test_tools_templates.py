@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import transformers
 
-from pdserve.engine.gguf_convert import convert_gguf, tool_chat_template
-from pdserve.engine.make_model import make_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_models import ChatCompletionRequest
 from pdserve.gateway.tools.request import template_features
+from pdserve.models.gguf_convert import convert_gguf, tool_chat_template
+from pdserve.models.make_model import make_model
 
 FAMILIES = ("chatml", "hermes", "llama3")
 # HuggingFaceTB/SmolLM2-*-Instruct's template, as its GGUF carries it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.decode.record import DecodeState
 from pdserve.protocol import messages as m
 from pdserve.worker.wire import heartbeat
 from tests.cluster_util import Cluster
@@ -76,9 +77,9 @@ def test_decode_death_mid_stream_ends_with_an_error_and_frees_prefill(tiny_dir) 
             prompts(512, [12], seed=42)[0],
             m.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True),
         )
-        while not any(w.running for w in cluster.workers.values() if hasattr(w, "running")):
+        while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
             cluster.pump_round()
-        [dead] = [wid for wid, w in cluster.workers.items() if getattr(w, "running", None)]
+        [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
         kill(cluster, dead)
         cluster.pump()
         [error] = cluster.errors()
@@ -100,11 +101,11 @@ def test_resume_on_another_decode_worker_continues_exactly(tiny_dir) -> None:
         prompt = prompts(512, [12], seed=44)[0]
         spec = m.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         cluster.submit("r", prompt, spec)
-        while not any(getattr(w, "running", None) for w in cluster.workers.values()):
+        while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
             cluster.pump_round()
         for _ in range(3):
             cluster.pump_round()
-        [dead] = [wid for wid, w in cluster.workers.items() if getattr(w, "running", None)]
+        [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
         kill(cluster, dead)
         cluster.pump()
         [error] = cluster.errors()
@@ -121,7 +122,14 @@ def test_resume_on_another_decode_worker_continues_exactly(tiny_dir) -> None:
             (
                 "coordinator",
                 m.Generate(
-                    "r", "tiny", prompt, spec, 1, "gw", resume_choice=0, resume_token_ids=so_far
+                    request_id="r",
+                    model="tiny",
+                    prompt_token_ids=prompt,
+                    sampling=spec,
+                    n=1,
+                    stream_address="gw",
+                    resume_choice=0,
+                    resume_token_ids=so_far,
                 ),
             )
         )

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 
 from pdserve.coordinator.trust import counters_problem
-from pdserve.gateway.backend import WorkerStats
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.protocol import messages as m
 from pdserve.worker.wire import block_bytes
@@ -49,8 +48,25 @@ def test_two_turns_add_up_exactly(tiny_dir) -> None:
 def test_gateway_renders_each_workers_totals() -> None:
     counts = [0] * (len(m.TRANSFER_SECONDS_BUCKETS) + 1)
     counts[2], counts[-1] = 3, 1  # three pushes of at most 5 ms, one past 2.5 s
-    c = m.WorkerCounters(20, 40, 9, 9 * 1024, 3.01, counts)
-    text = GatewayMetrics().render([WorkerStats("prefill", "p0", 1, 10, 0, 0, c)])
+    c = m.WorkerCounters(
+        prefix_hit_tokens=20,
+        prefill_tokens=40,
+        kv_blocks_sent=9,
+        kv_bytes_sent=9 * 1024,
+        transfer_seconds_sum=3.01,
+        transfer_seconds_counts=counts,
+    )
+    p0 = m.WorkerStatus(
+        role="prefill",
+        worker_id="p0",
+        model="tiny",
+        used_blocks=1,
+        total_blocks=10,
+        running=0,
+        waiting=0,
+        counters=c,
+    )
+    text = GatewayMetrics().render([p0])
     labels = 'role="prefill",worker="p0"'
     for line in (
         f"pdserve_worker_prefix_hit_tokens_total{{{labels}}} 20.0",

@@ -14,18 +14,21 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.kvtransfer.base import KVReceiver, KVSender
+from pdserve.models.pull import PullError
 from pdserve.protocol import messages as m
-from pdserve.protocol import security
-from pdserve.protocol.liveness import Liveness
-from pdserve.protocol.loop import PushOutbox, serve, stop_on_signals
-from pdserve.protocol.sockets import bound_address, make_socket
+from pdserve.runtime import security
+from pdserve.runtime.liveness import Liveness
+from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
+from pdserve.runtime.sockets import bound_address, make_socket
 from pdserve.worker.args import HEARTBEAT_PERIOD_S, check_worker_args
+from pdserve.worker.base import Record, Worker
+from pdserve.worker.wire import heartbeat, kv_layout
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,10 @@ log = logging.getLogger(__name__)
 class RoleParts:
     """What a role's ``main`` builds around the engine."""
 
-    worker: Any  # PrefillWorker | DecodeWorker: handle, step, draining, queued_prompt_tokens
-    transport: Any  # its KV sender or receiver (closed on exit)
+    worker: Worker[Record]  # a PrefillWorker or a DecodeWorker
+    transport: KVSender | KVReceiver | None  # its KV sender or receiver (closed on exit)
     transfer_address: str = ""  # where prefill workers push KV to it ("" for prefill)
-    wire_role: str = ""  # what it registers as (default: the role)
+    wire_role: m.Role | None = None  # what it registers as (default: the role)
 
 
 @dataclass(frozen=True)
@@ -48,87 +51,118 @@ class WorkerContext:
     engine: LLMEngine
     worker_id: str
     outbox: PushOutbox
-    transport_options: dict[str, Any]
+    transport_options: dict[str, object]
 
 
 Build = Callable[[argparse.Namespace, WorkerContext], RoleParts]
 
 
-def run_worker(args: argparse.Namespace, role: str, build: Build) -> int:
+def run_worker(args: argparse.Namespace, role: m.Role, build: Build) -> int:
     """Start the engine, build the role's parts, register and step until signalled."""
     check_worker_args(args, role)
-    from pdserve.engine.cli_args import engine_config_from_args
-    from pdserve.worker.wire import heartbeat, kv_layout
-
-    config: EngineConfig = engine_config_from_args(args)
-    engine = LLMEngine(config)
+    engine = _start_engine(args, role)
     worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
-    served = args.served_model_name or os.path.basename(os.path.normpath(config.model))
-
     ctx = security.context(security.from_env())
-    control = make_socket(ctx, zmq.PULL, args.control_bind, bind=True)
-    # the KV sockets (zmq, and the GPU backends' control socket) share this context's keys
-    options: dict[str, Any] = {} if args.transfer_backend == "ucx" else {"ctx": ctx}
-    outbox = PushOutbox(ctx, args.coordinator)
-    parts = build(args, WorkerContext(engine, worker_id, outbox, options))
+    control, outbox, parts = _open(args, role, build, ctx, engine, worker_id)
     worker = parts.worker
-    wire_role = parts.wire_role or role
-    register = m.Register(
-        role=wire_role,
-        worker_id=worker_id,
-        model=served,
-        control_address=advertised(bound_address(control), args.advertise_host),
-        transfer_address=advertised(parts.transfer_address, args.advertise_host),
-        transfer_backend=args.transfer_backend,
-        layout=kv_layout(engine),
-        num_blocks=engine.num_blocks,
-        model_root=os.path.abspath(config.model),
-        max_model_len=engine.max_model_len,
-    )
-
-    kv_events = engine.kv_event_publisher(worker_id)
-
+    register = _register(args, parts.wire_role or role, engine, worker_id, control, parts)
     # Register again each period (a restarted coordinator relearns the cluster from it) is
     # the keep-alive; the Heartbeat is built on the loop thread, the only one touching the
     # engine, once a period and at once on drain (serve calls periodic then).
     liveness = Liveness(
         outbox.to_coordinator, register, HEARTBEAT_PERIOD_S, stall_timeout_s=args.stall_timeout
     )
+    kv_events = engine.status.kv_event_publisher(worker_id)
 
     def periodic(now: float) -> None:
         for events in kv_events.messages():  # what its prefix cache holds, for routing
             outbox.to_coordinator(events)
-        transfers = getattr(worker, "transfers", None)  # a prefill worker's KV pushes
-        liveness.publish(
-            heartbeat(engine, worker_id, worker.queued_prompt_tokens, worker.draining, transfers)
-        )
+        queued, draining = worker.queued_prompt_tokens, worker.draining
+        liveness.publish(heartbeat(engine, worker_id, queued, draining, worker.transfers))
 
     log.info(
         "%s worker %s serving %s: control %s",
-        wire_role,
+        register.role,
         worker_id,
-        served,
+        register.model,
         register.control_address,
     )
-    stop = stop_on_signals()
     try:
         serve(
             control,
             worker.handle,
             worker.step,
             periodic,
-            stop,
+            stop_on_signals(),
             period_s=HEARTBEAT_PERIOD_S,
             drain=worker,
             drain_timeout_s=args.drain_timeout,
             liveness=liveness,
         )
     finally:
-        parts.transport.close()
+        if parts.transport is not None:
+            parts.transport.close()
         outbox.close()
         control.close()
         ctx.term()
     return 0
+
+
+def _start_engine(args: argparse.Namespace, role: m.Role) -> LLMEngine:
+    from pdserve.engine.cli_args import engine_config_from_args
+
+    try:
+        config: EngineConfig = engine_config_from_args(args)
+        return LLMEngine(config)
+    except (OSError, ConfigError, PullError) as e:  # no such model, or not one pdserve runs
+        raise SystemExit(f"pdserve {role}: {e}") from None
+
+
+def _open(
+    args: argparse.Namespace,
+    role: m.Role,
+    build: Build,
+    ctx: zmq.SyncContext,
+    engine: LLMEngine,
+    worker_id: str,
+) -> tuple[zmq.SyncSocket, PushOutbox, RoleParts]:
+    """The control socket, the outbox to the coordinator, and the role's parts on them."""
+    try:
+        control = make_socket(ctx, zmq.PULL, args.control_bind, bind=True)
+        # dialled once now, not first on the heartbeat thread: a malformed address is a
+        # start-up error rather than a traceback from a running worker
+        make_socket(ctx, zmq.PUSH, args.coordinator, bind=False).close()
+        # the KV sockets (zmq, and the GPU backends' control socket) share this context's keys
+        options: dict[str, object] = {} if args.transfer_backend == "ucx" else {"ctx": ctx}
+        outbox = PushOutbox(ctx, args.coordinator)
+        return control, outbox, build(args, WorkerContext(engine, worker_id, outbox, options))
+    except OSError as e:  # an address that cannot be bound or dialled
+        ctx.destroy(linger=0)
+        raise SystemExit(f"pdserve {role}: {e}") from None
+
+
+def _register(
+    args: argparse.Namespace,
+    role: m.Role,
+    engine: LLMEngine,
+    worker_id: str,
+    control: zmq.SyncSocket,
+    parts: RoleParts,
+) -> m.Register:
+    """What the worker tells the coordinator it is, each heartbeat period."""
+    config = engine.config
+    return m.Register(
+        role=role,
+        worker_id=worker_id,
+        model=args.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        control_address=advertised(bound_address(control), args.advertise_host),
+        transfer_address=advertised(parts.transfer_address, args.advertise_host),
+        transfer_backend=args.transfer_backend,
+        layout=kv_layout(engine),
+        num_blocks=engine.status.num_blocks,
+        model_root=os.path.abspath(config.model),
+        max_model_len=engine.max_model_len,
+    )
 
 
 def advertised(address: str, host: str | None) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.common import layout_of
 from pdserve.protocol import messages as m
+from pdserve.protocol.keys import ChoiceKey
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -34,18 +36,43 @@ class TokenBatcher:
     def flush(self) -> None:
         pending, self.pending = self.pending, {}
         for address, chunks in pending.items():
-            self.outbox.to_gateway(address, m.TokenBatch(chunks))
+            self.outbox.to_gateway(address, m.TokenBatch(chunks=chunks))
 
 
-def engine_key(request_id: str, choice: int) -> str:
-    """One engine request per choice of a request (``n > 1`` runs ``n`` of them)."""
-    return f"{request_id}#{choice}"
-
-
-def prompt_key(request_id: str, choice: int) -> str:
+@dataclass(frozen=True)
+class PromptKey:
     """The engine id of a prompt run once for the choices from ``choice`` on (engine/fork.py);
-    never reported, so never confused with a choice's ``engine_key``."""
-    return f"{request_id}#{choice}+prompt"
+    never reported, and never equal to a choice's ``ChoiceKey`` (a dataclass, not a tuple)."""
+
+    request_id: str
+    choice: int
+
+    def __str__(self) -> str:  # for logs
+        return f"{self.request_id}#{self.choice}+prompt"
+
+
+def transfer_id(key: ChoiceKey) -> str:
+    """The id a KV transfer goes by on the transfer wire, the same on the sending and the
+    receiving worker: ``"<request id>#<choice>"`` of the choice that leads the transfer."""
+    return f"{key.request_id}#{key.choice}"
+
+
+def token_chunk(
+    key: ChoiceKey, out: RequestOutput, index: int, token_ids: list[int], reason: str | None
+) -> m.TokenChunk:
+    """``token_ids`` of ``out`` for choice ``key``, the first at ``index``; ``reason``: why the
+    choice ends with them (None: it goes on)."""
+    return m.TokenChunk(
+        request_id=key.request_id,
+        choice=key.choice,
+        index=index,
+        token_ids=token_ids,
+        logprobs=out.new_logprobs or None,
+        finished=reason is not None,
+        finish_reason=reason,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
@@ -58,7 +85,7 @@ def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
 
 def kv_layout(engine: LLMEngine) -> m.KVLayout:
     """What this engine's blocks look like to another worker (``Register.layout``)."""
-    return layout_of(engine.kv_layers)
+    return layout_of(engine.status.kv_layers)
 
 
 class TransferStats:
@@ -83,13 +110,13 @@ class TransferStats:
 
 def block_bytes(engine: LLMEngine) -> int:
     """Bytes of KV one block holds, over every layer (what moving it costs)."""
-    return sum(layer[0].numel() * layer.element_size() for layer in engine.kv_layers)
+    return sum(layer[0].numel() * layer.element_size() for layer in engine.status.kv_layers)
 
 
 def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> m.WorkerCounters:
     t = transfers or TransferStats()
     return m.WorkerCounters(
-        prefix_hit_tokens=engine.prefix_hit_tokens,
+        prefix_hit_tokens=engine.status.prefix_hit_tokens,
         prefill_tokens=engine.prefill_tokens_computed,
         kv_blocks_sent=t.blocks,
         kv_bytes_sent=t.bytes,
@@ -105,13 +132,14 @@ def heartbeat(
     draining: bool = False,
     transfers: TransferStats | None = None,
 ) -> m.Heartbeat:
+    status = engine.status
     return m.Heartbeat(
         worker_id=worker_id,
-        free_blocks=engine.num_free_blocks,
-        used_blocks=engine.num_used_blocks,
-        total_blocks=engine.num_blocks,
-        running=engine.num_running,
-        waiting=engine.num_waiting,
+        free_blocks=status.num_free_blocks,
+        used_blocks=status.num_used_blocks,
+        total_blocks=status.num_blocks,
+        running=status.num_running,
+        waiting=status.num_waiting,
         queued_prompt_tokens=queued_prompt_tokens,
         draining=draining,
         counters=worker_counters(engine, transfers),

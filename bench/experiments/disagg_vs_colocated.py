@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from pdserve.bench.cluster import ServeProcess  # noqa: E402
+from pdserve.bench.experiments.cluster import ServeProcess  # noqa: E402
 from pdserve.bench.plots import plot_sweep  # noqa: E402
 from pdserve.launch.serve import pdserve_command  # noqa: E402
 
@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_dir(name: str) -> str:
     """A directory for ``--model`` (pulling or making it on first use)."""
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.models.store import resolve_model
 
     return resolve_model(name)
 

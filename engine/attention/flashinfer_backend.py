@@ -1,7 +1,7 @@
 """Attention over the paged cache with flashinfer's batch wrappers (CUDA, bf16/fp16).
 
 Written against flashinfer 0.5–0.7 (``plan`` with keyword options, ``run(q, kv_cache)``), and
-NOT yet run on a GPU: ``bench/gpu.py`` checks it against the torch backend on hardware.
+NOT yet run on a GPU: ``bench/micro/gpu.py`` checks it against the torch backend on hardware.
 
 The cache is already flashinfer's ``NHD`` layout with K and V together, so it is passed as is.
 Per step, ``plan`` turns the host block tables into flashinfer's CSR page lists::

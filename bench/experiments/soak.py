@@ -1,0 +1,173 @@
+"""Soak: a bounded sustained run with faults, counting hung requests and leaked blocks.
+
+Starts ``pdserve serve`` (1 prefill + 2 decode, injected KV corruption, checksums on), then
+keeps ``--clients`` streaming clients busy for ``--duration`` seconds: some clients give up
+mid-stream, one decode worker is killed (kill -9) a third of the way in and the prefill worker
+two thirds in (``serve`` restarts both). Prints requests completed, failed cleanly, hung (must
+be 0), blocks leaked (must be 0) and each role's RSS at start and end.
+
+    .venv/bin/python bench/experiments/soak.py                  # 120 s, tiny model
+    .venv/bin/python bench/experiments/soak.py --duration 600 --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench.client import sse_lines
+from pdserve.bench.experiments.cluster import ServeProcess
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: built-in tiny)")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--kv-fault", default="corrupt:0.1")
+    p.add_argument(
+        "--hang-after", type=float, default=30.0, help="a stream silent this long counts as hung"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def roles(serve_pid: int) -> dict[str, int]:
+    """worker id (or role) -> pid, for the processes ``serve`` started."""
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True
+    ).stdout
+    found = {}
+    for line in out.splitlines():
+        pid, ppid, *args = line.split()
+        if int(ppid) != serve_pid:
+            continue
+        wid = next((a.split("=", 1)[1] for a in args if a.startswith("--worker-id=")), None)
+        role = next((a for a in args if a in ("coordinator", "gateway")), None)
+        if wid or role:
+            found[wid or role] = int(pid)
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan")
+    kib = re.search(r"VmRSS:\s+(\d+)", status)
+    return int(kib.group(1)) / 1024 if kib else float("nan")
+
+
+def used_blocks(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    pattern = r'^pdserve_kv_blocks_used\{[^}]*worker="([^"]+)"[^}]*\} (\S+)$'
+    return {w: float(v) for w, v in re.findall(pattern, text, re.MULTILINE)}
+
+
+async def client(
+    base: str, model: str, stop_at: float, rng: random.Random, tally: Counter, hang_after: float
+) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after)) as http:
+        while time.monotonic() < stop_at:
+            give_up = rng.random() < 0.2
+            body = {
+                "model": model,
+                "prompt": f"soak {rng.random()}",
+                "stream": True,
+                "max_tokens": rng.randint(8, 200),
+                "ignore_eos": True,
+            }
+            outcome = "hung"
+            try:
+                async with http.stream("POST", f"{base}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        outcome = "failed cleanly" if "error" in r.json() else "bad error"
+                    else:
+                        outcome = await _read(r, give_up, rng)
+            except httpx.TimeoutException:
+                outcome = "hung"
+            except httpx.HTTPError as e:
+                outcome = f"connection error ({type(e).__name__})"
+            tally[outcome] += 1
+
+
+async def _read(r: httpx.Response, give_up: bool, rng: random.Random) -> str:
+    chunks, limit, last = 0, rng.randint(1, 20), None
+    async for line in sse_lines(r):
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return "failed cleanly" if last and "error" in last else "completed"
+        last = json.loads(line[6:])
+        chunks += 1
+        if give_up and chunks >= limit:
+            return "client gave up"
+    return "stream ended without [DONE]"
+
+
+async def load(base: str, model: str, args: argparse.Namespace, serve_pid: int) -> Counter:
+    tally: Counter = Counter()
+    start = time.monotonic()
+    stop_at = start + args.duration
+    rng = random.Random(args.seed)
+    tasks = [
+        asyncio.create_task(
+            client(base, model, stop_at, random.Random(rng.random()), tally, args.hang_after)
+        )
+        for _ in range(args.clients)
+    ]
+    for fraction, victim in ((1 / 3, "decode-1"), (2 / 3, "prefill-0")):
+        await asyncio.sleep(max(0.0, start + args.duration * fraction - time.monotonic()))
+        pid = roles(serve_pid).get(victim)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            print(f"[{time.monotonic() - start:6.1f}s] killed {victim} (pid {pid})", flush=True)
+    await asyncio.gather(*tasks)
+    return tally
+
+
+def main() -> None:
+    args = parse_args()
+    from pdserve.models.make_model import default_model_dir
+
+    model = args.model or str(default_model_dir("tiny"))
+    flags = ["--prefill=1", "--decode=2", f"--kv-fault={args.kv_fault}"]
+    cluster = ServeProcess(model, flags)
+    serve, base = cluster.proc, cluster.url
+    try:
+        rss_start = {name: rss_mib(pid) for name, pid in roles(serve.pid).items()}
+        tally = asyncio.run(load(base, Path(model).name, args, serve.pid))
+        time.sleep(3)  # heartbeats catch up
+        leaked = sum(used_blocks(base).values())
+        rss_end = {name: rss_mib(pid) for name, pid in roles(serve.pid).items()}
+    finally:
+        cluster.stop()
+    print(f"\nsoak: {args.duration:.0f}s, {args.clients} clients, kv fault {args.kv_fault}")
+    for outcome in ("completed", "client gave up", "failed cleanly", "hung"):
+        print(f"  {outcome:<28} {tally.get(outcome, 0):>6}")
+    for outcome, n in sorted(tally.items()):
+        if outcome not in ("completed", "client gave up", "failed cleanly", "hung"):
+            print(f"  {outcome:<28} {n:>6}")
+    print(f"  {'blocks leaked':<28} {leaked:>6.0f}")
+    print(f"  {'role':<14} {'RSS start MiB':>14} {'RSS end MiB':>12}")
+    for name in sorted(rss_end):
+        print(f"  {name:<14} {rss_start.get(name, float('nan')):>14.1f} {rss_end[name]:>12.1f}")
+    ok = tally.get("hung", 0) == 0 and leaked == 0
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""What every role runs its messages on: ZMQ sockets (``sockets``), CURVE keys and secured
+contexts (``security``), the recv → step → send loop and its outbox (``loop``), a worker's
+heartbeat thread (``liveness``). It speaks ``pdserve.protocol``'s messages; no torch here."""
