@@ -167,9 +167,10 @@ def _stream(url: str, body: dict, events: list, decoding: threading.Event) -> No
 
 
 def test_streams_decoding_go_on_when_the_coordinator_is_lost(tiny_dir) -> None:
-    """SIGKILL the coordinator while four streams decode: the gateway sees it go (serve
-    restarts it), and streams whose tokens flow from a decode worker run to their end, every
-    token there, none hangs; the restarted coordinator then serves a new request."""
+    """SIGKILL the coordinator while four streams decode: serve restarts it, streams whose
+    tokens flow from a decode worker run to their end with every token (one quiet for over a
+    second when the new coordinator shows up ends with an error naming the restart), none
+    hangs; the restarted coordinator then serves a new request."""
     c = ServedCluster(tiny_dir, "--num-kv-blocks=256")
     try:
         max_tokens = 300
@@ -196,19 +197,31 @@ def test_streams_decoding_go_on_when_the_coordinator_is_lost(tiny_dir) -> None:
             t.join(180)  # a hang bound only: the gateway gives up on a request that stops
             assert not t.is_alive()
         assert min(at_kill) < max_tokens  # the loss came mid-stream
+        completed = 0
         for events, _ in runs:
             assert events[-1] == "[DONE]"
-            usage = json.loads(events[-2])["usage"]
-            assert usage["completion_tokens"] == max_tokens, events[-3:]
+            last = json.loads(events[-2])
+            if "error" in last:
+                # quiet for over RESTART_QUIET_S when the new coordinator showed up (a step
+                # that slow happens on a loaded host): ended as lost, saying so, never silent
+                message = last["error"]["message"]
+                assert "lost: the coordinator at" in message and "restarted" in message, last
+                continue
+            assert last["usage"]["completion_tokens"] == max_tokens, events[-3:]
             assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+            completed += 1
+        assert completed >= 1  # decoding went on through the loss
         assert wait_for(lambda: "coordinator exited (-9); restarting it" in c.output(), 60)
-        assert wait_for(c.healthy, 120)
-        r = httpx.post(
-            f"{c.url}/v1/completions",
-            json={**body, "stream": False, "max_tokens": 5, "stream_options": None},
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
+        # the gateway may refuse (503, retryable) until it has reconnected to the new one
+        body = {**body, "stream": False, "max_tokens": 5, "stream_options": None}
+        deadline, r = time.monotonic() + 180, None  # a hang bound only
+        while time.monotonic() < deadline and (r is None or r.status_code != 200):
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=60)
+            if r is None or r.status_code != 200:
+                assert r is None or r.status_code == 503, r.text
+                time.sleep(0.5)
+        assert r is not None and r.status_code == 200, r.text if r is not None else None
         assert r.json()["usage"]["completion_tokens"] == 5
         assert wait_for(lambda: c.gateway_in_flight() == 0, 60)
     finally:
