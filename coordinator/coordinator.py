@@ -9,12 +9,8 @@ Route of one choice (``ChoiceKey``; states ``RouteState``, coordinator.routes)::
     route touches gets an Abort, and the request's gateway a RequestError (it drops the ones
     for requests it ended itself), so no Abort, genuine or forged, leaves a stream silent.
 
-Conditional disaggregation (``ConditionalDisaggPolicy``): a prompt whose part not cached on its
-decode worker (``kv`` routing: the worker holding most of it) is at most
-``max_local_prefill_tokens`` tokens, or any prompt while every prefill worker has more than
-``max_prefill_queue_tokens`` queued, is prefilled by its decode worker itself (a ``PrefillJob``
-with no destination: no transfer); 0 turns either rule off. ``decisions`` counts each choice's
-route by reason.
+Conditional disaggregation (``ConditionalDisaggPolicy``): a short uncached prompt, or any while
+every prefill worker is busy, is prefilled by its decode worker itself (no transfer).
 
 Every wait has a bound (``Recovery``): a decode worker that does not answer ``Reserve`` within
 ``reserve_timeout_s`` (or refuses it) is passed over for another one; a prefill job with no
@@ -26,11 +22,15 @@ decode worker's whole KV cache fails at once (400), not with a retryable 503
 ``Coordinator`` has no sockets: ``handle`` takes a message, ``tick`` expires dead workers and
 waits, and everything it says goes through a ``CoordinatorOutbox``. It holds its parts::
 
-    shared        Shared          registry, routes, silent workers, clock, outbox (every part)
-    placement     Placement       which worker of a pool (PlacementPolicy)
-    reservations  Reservations    decode blocks held, the queue for them (AdmissionPolicy)
-    local         LocalPrefill    one worker runs both phases (ConditionalDisaggPolicy)
-    recovery      Recovery        dead and silent workers, timeouts
+    shared        Shared          registry, routes, silent workers, clock, outbox (routes.py)
+    placement     Placement       which worker of a pool; the pools' figures (placement.py)
+    reservations  Reservations    decode blocks held, the queue for them (dispatch.py)
+    local         LocalPrefill    one worker runs both phases (dispatch.py)
+    recovery      Recovery        dead and silent workers, timeouts (recovery.py)
+    peers         TransferPeers   whose KV regions each worker knows (nixl; peers.py)
+
+and the decisions, pure objects (policies.py): ``PlacementPolicy``, ``ConditionalDisaggPolicy``,
+``AdmissionPolicy``. The workers, and what each may say, are the registry's (registry.py).
 """
 
 from __future__ import annotations
@@ -39,18 +39,22 @@ import dataclasses
 import logging
 from collections import Counter
 
-from pdserve.coordinator.admission import MAX_QUEUED, AdmissionPolicy
-from pdserve.coordinator.disagg_policy import ConditionalDisaggPolicy
-from pdserve.coordinator.local import LocalPrefill
+from pdserve.coordinator.dispatch import LocalPrefill, Reservations
+from pdserve.coordinator.peers import TransferPeers
 from pdserve.coordinator.placement import Placement
-from pdserve.coordinator.placement_policy import HOT_SPOT_TOKENS, RoutingMode
+from pdserve.coordinator.policies import (
+    HOT_SPOT_TOKENS,
+    MAX_QUEUED,
+    AdmissionPolicy,
+    ConditionalDisaggPolicy,
+    RoutingMode,
+)
 from pdserve.coordinator.recovery import Recovery, Timeouts
 from pdserve.coordinator.registry import WorkerRegistry
-from pdserve.coordinator.reservations import Reservations
-from pdserve.coordinator.routes import Route, RouteState, RouteTable
-from pdserve.coordinator.shared import CoordinatorOutbox, Shared
+from pdserve.coordinator.routes import CoordinatorOutbox, Route, RouteState, RouteTable, Shared
 from pdserve.kvtransfer.base import LayoutMismatchError
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import Heartbeat, KVEvents, Register
 from pdserve.protocol.keys import ChoiceKey
 
 logger = logging.getLogger(__name__)
@@ -81,7 +85,9 @@ class Coordinator:
         self.placement = Placement(self.registry, RoutingMode.parse(routing), hot_spot_tokens)
         self.reservations = Reservations(self.shared, self.placement, self.admission)
         self.local = LocalPrefill(self.shared, self.placement, disagg)
-        self.recovery = Recovery(self.shared, self.placement, self.reservations, timeouts)
+        self.peers = TransferPeers(self.shared)
+        parts = (self.shared, self.placement, self.reservations, timeouts, self.peers)
+        self.recovery = Recovery(*parts)
         self.decisions: Counter[str] = Counter()  # each choice's route by reason
 
     @property
@@ -101,12 +107,12 @@ class Coordinator:
             logger.warning("coordinator ignores %s", type(msg).__name__)
             return
         self.shared.now = now
-        if isinstance(msg, m.Register):
+        if isinstance(msg, Register):
             self._register(msg, now)
-        elif isinstance(msg, m.Heartbeat):
+        elif isinstance(msg, Heartbeat):
             if self.registry.heartbeat(msg, now):
                 self.reservations.place_queued()  # its free blocks are known afresh
-        elif isinstance(msg, m.KVEvents):
+        elif isinstance(msg, KVEvents):
             self.registry.kv_events(msg)
         elif isinstance(msg, m.GatewayHello):
             state = dataclasses.replace(self.registry.cluster_state(), routing=self._routing())
@@ -138,7 +144,7 @@ class Coordinator:
         placement = self.placement
         return dict(self.decisions + placement.decisions + placement.decode_decisions)
 
-    def _register(self, info: m.Register, now: float) -> None:
+    def _register(self, info: Register, now: float) -> None:
         known = self.registry.workers.get(info.worker_id)
         if known is not None and known.info == info:
             known.last_seen = now  # workers re-send Register every second
@@ -156,6 +162,7 @@ class Coordinator:
             logger.error("refusing worker %s: %s", info.worker_id, e)
             return
         logger.info("registered %s worker %s for %s", info.role, info.worker_id, info.model)
+        self.peers.joined(info)
 
     def _generate(self, req: m.Generate) -> None:
         reg, shared = self.registry, self.shared
@@ -165,11 +172,11 @@ class Coordinator:
         if not reg.ready(req.model):
             shared.error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
             return
-        blocks, block_size = reg.decode_capacity(req.model)
+        blocks, block_size = self.placement.decode_capacity(req.model)
         error = self.admission.too_big(
             prompt_tokens=len(req.prompt_token_ids),
             max_tokens=req.sampling.max_tokens,
-            max_model_len=reg.max_model_len(req.model),
+            max_model_len=self.placement.max_model_len(req.model),
             decode_blocks=blocks,
             block_size=block_size,
         )
@@ -180,7 +187,7 @@ class Coordinator:
             self.local.resume(req, req.resume_choice)
             return
         # the n choices go as one: one prefill, forked where they decode (DESIGN.md)
-        if not reg.disaggregated(req.model):
+        if not self.placement.disaggregated(req.model):
             self.decisions["colocated"] += req.n
             self.local.run_colocated(req)
             return
@@ -283,9 +290,9 @@ class Coordinator:
 
 # the messages the coordinator acts on; any other is logged and dropped
 HANDLED = (
-    m.Register,
-    m.Heartbeat,
-    m.KVEvents,
+    Register,
+    Heartbeat,
+    KVEvents,
     m.GatewayHello,
     m.Generate,
     m.Reserved,

@@ -12,10 +12,10 @@ forgets what the old one held; a gap in ``seq`` is only counted (a lost store co
 a lost eviction one worse choice) until the next snapshot replaces everything known of it. The
 registry forgets a worker that re-registers or dies (``drop``).
 
-Bounds: ``coordinator.trust.kv_events_problem`` refuses malformed messages before they get here;
-here no worker is believed to hold more hashes than the blocks it registered, so the index never
-grows past the cluster's KV blocks. A message that would break that forgets the worker until
-its next snapshot.
+Bounds: ``kv_events_problem`` refuses a malformed message before it gets here (the registry's
+``admit`` calls it); here no worker is believed to hold more hashes than the blocks it
+registered, so the index never grows past the cluster's KV blocks. A message that would break
+that forgets the worker until its next snapshot.
 """
 
 from __future__ import annotations
@@ -24,9 +24,27 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdserve.protocol import messages as m
+from pdserve.protocol.control import KVEvents
+from pdserve.protocol.prefix import HASH_BITS, MAX_KV_EVENT_HASHES
 
 logger = logging.getLogger(__name__)
+
+
+def kv_events_problem(ev: KVEvents, num_blocks: int) -> str | None:
+    """Why a ``KVEvents`` cannot be true of a worker that registered ``num_blocks``, or None.
+    (What it adds up to over many messages is bounded by ``KVIndex.apply``.)"""
+    if len(ev.stored) + len(ev.evicted) > MAX_KV_EVENT_HASHES:
+        return f"{len(ev.stored) + len(ev.evicted)} hashes, at most {MAX_KV_EVENT_HASHES}"
+    if not 1 <= len(ev.epoch) <= 64 or not 0 <= ev.seq < 1 << 63:
+        return f"epoch {ev.epoch[:64]!r} or seq={ev.seq}"
+    if any(not 0 <= h < 1 << HASH_BITS for h in (*ev.stored, *ev.evicted)):
+        return f"a block hash outside [0, 2**{HASH_BITS})"
+    max_parts = max(1, -(-num_blocks // MAX_KV_EVENT_HASHES))
+    if ev.snapshot and (ev.evicted or not 0 <= ev.part < ev.parts <= max_parts):
+        return f"snapshot part {ev.part} of {ev.parts} (at most {max_parts}) with evictions"
+    if not ev.snapshot and (ev.part, ev.parts) != (0, 1):
+        return f"part {ev.part} of {ev.parts} outside a snapshot"
+    return None
 
 
 @dataclass
@@ -38,13 +56,15 @@ class _Stream:
 
 
 class KVIndex:
+    """Owns the two maps above and each worker's stream position (``_Stream``)."""
+
     def __init__(self) -> None:
         self.holders: dict[int, set[str]] = {}
         self.held: dict[str, set[int]] = {}
         self._streams: dict[str, _Stream] = {}
         self.gaps = 0  # messages found missing (seq gaps)
 
-    def apply(self, msg: m.KVEvents, capacity: int) -> str | None:
+    def apply(self, msg: KVEvents, capacity: int) -> str | None:
         """Take one message of a worker that registered ``capacity`` blocks; why it was
         refused (the worker is then forgotten until its next snapshot), or None."""
         wid = msg.worker_id
@@ -71,9 +91,7 @@ class KVIndex:
             return f"{len(held)} cached blocks, more than the {capacity} blocks it registered"
         return None
 
-    def _snapshot_part(
-        self, wid: str, stream: _Stream, msg: m.KVEvents, capacity: int
-    ) -> str | None:
+    def _snapshot_part(self, wid: str, stream: _Stream, msg: KVEvents, capacity: int) -> str | None:
         if msg.part == 0:
             stream.pending = set()
         elif stream.pending is None or msg.part != stream.next_part:

@@ -11,11 +11,10 @@ import zmq
 
 from pdserve import envs
 from pdserve.coordinator.coordinator import Coordinator
-from pdserve.coordinator.placement_policy import HOT_SPOT_TOKENS, ROUTING_MODES
-from pdserve.coordinator.trust import RateLimitedLog
+from pdserve.coordinator.policies import HOT_SPOT_TOKENS, ROUTING_MODES
 from pdserve.protocol.codec import Message
 from pdserve.runtime import security
-from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
+from pdserve.runtime.loop import PushOutbox, RateLimitedLog, serve, stop_on_signals
 from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,8 @@
 """Placing a choice on a worker of its model's pool: ``Placement`` finds the workers that can
 take it, what each holds of the prompt (``coordinator.kv_index``), asks the policy
-(``coordinator.placement_policy``) and acts on its pick.
+(``coordinator.policies.PlacementPolicy``) and acts on its pick; and it answers what the other
+parts ask of a model's pool (is it split, its block size, its largest decode worker, its
+shortest prefill queue).
 
 Load between heartbeats is estimated here: a pick raises a prefill worker's queued prompt tokens
 by what it will compute, and lowers a decode worker's free blocks by what it reserves, until the
@@ -13,15 +15,11 @@ Placements by reason, in ``decisions`` (prefill: ``PrefillReason``) and ``decode
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Collection
 
-from pdserve.coordinator.placement_policy import (
-    HOT_SPOT_TOKENS,
-    Candidate,
-    PlacementPolicy,
-    RoutingMode,
-)
+from pdserve.coordinator.policies import HOT_SPOT_TOKENS, Candidate, PlacementPolicy, RoutingMode
 from pdserve.coordinator.registry import Worker, WorkerRegistry
 from pdserve.protocol.prefix import cacheable_hashes
 
@@ -52,24 +50,20 @@ class Placement:
         what it will compute, until its next heartbeat."""
         pool = [
             w
-            for w in self.registry.workers.values()
-            if w.info.model == model
-            and w.info.role == "prefill"
-            and not w.draining
-            and w.worker_id not in avoid
+            for w in self.registry.serving(model)
+            if w.info.role == "prefill" and w.worker_id not in avoid
         ]
         if not pool:
             return None
         block_size = pool[0].info.layout.block_size
-        kv = self.registry.kv
         # ``kv`` counts a miss even with nothing cached anywhere (no hashing then)
-        by_cache = self.mode is RoutingMode.KV and bool(kv.holders)
+        by_cache = self.mode is RoutingMode.KV and bool(self.registry.kv.holders)
         hits = self._hits(prompt, pool) if by_cache else {}
         candidates = [
             Candidate(
                 w.worker_id,
                 hit_blocks=hits.get(w.worker_id, 0),
-                queued_tokens=w.queued_prompt_tokens,
+                queued_tokens=w.load.queued_prompt_tokens,
             )
             for w in pool
         ]
@@ -78,7 +72,7 @@ class Placement:
         self._last[(model, "prefill")] = pick.worker_id
         self.decisions[pick.reason.value] += 1
         best = self.registry.workers[pick.worker_id]
-        best.queued_prompt_tokens += pick.compute
+        best.expect(prompt_tokens=pick.compute)
         return best
 
     def pick_decode(
@@ -93,12 +87,8 @@ class Placement:
         next heartbeat or ``Reserved``."""
         pool = [
             w
-            for w in self.registry.workers.values()
-            if w.info.model == model
-            and w.can_decode
-            and not w.draining
-            and w.free_blocks >= need_blocks
-            and w.worker_id not in avoid
+            for w in self.registry.serving(model)
+            if w.can_decode and w.load.free_blocks >= need_blocks and w.worker_id not in avoid
         ]
         if not pool:
             return None
@@ -110,8 +100,8 @@ class Placement:
             Candidate(
                 w.worker_id,
                 hit_blocks=hits.get(w.worker_id, 0),
-                free_blocks=w.free_blocks,
-                running=w.running,
+                free_blocks=w.load.free_blocks,
+                running=w.load.running,
             )
             for w in pool
         ]
@@ -121,19 +111,35 @@ class Placement:
         if pick.reason is not None:
             self.decode_decisions[pick.reason.value] += 1
         best = self.registry.workers[pick.worker_id]
-        best.free_blocks -= need_blocks
+        best.expect(blocks=need_blocks)
         return best
+
+    def pick_colocated(self, model: str, tokens: int) -> Worker | None:
+        """A worker of a pool whose workers all run both phases: the least busy one."""
+        pool = [w for w in self.registry.serving(model) if w.info.role == "both"]
+        if not pool:
+            return None
+        best = min(
+            pool,
+            key=lambda w: (w.load.queued_prompt_tokens + w.load.running, -w.load.free_blocks),
+        )
+        best.expect(prompt_tokens=tokens)
+        return best
+
+    def free_blocks_answered(self, worker_id: str, free_blocks: int, in_flight: int) -> None:
+        """A decode worker's own free count in a ``Reserved``, less the blocks of reservations
+        sent to it and not answered yet (``in_flight``), replaces the estimate."""
+        worker = self.registry.workers.get(worker_id)
+        if worker is not None and 0 <= free_blocks <= worker.info.num_blocks:
+            free = max(0, free_blocks - in_flight)
+            worker.load = dataclasses.replace(worker.load, free_blocks=free)
 
     def decode_hit_tokens(self, model: str, prompt: list[int]) -> int:
         """Leading tokens of ``prompt`` the decode worker holding most of it has cached
         (``kv`` mode: the one ``pick_decode`` favours; 0 in the others, blind to caches)."""
         if self.mode is not RoutingMode.KV or not self.registry.kv.holders:
             return 0
-        pool = [
-            w
-            for w in self.registry.workers.values()
-            if w.info.model == model and w.can_decode and not w.draining
-        ]
+        pool = [w for w in self.registry.serving(model) if w.can_decode]
         if not pool:
             return 0
         hits = self._hits(prompt, pool)
@@ -143,3 +149,45 @@ class Placement:
         """Each worker's run of the prompt's leading blocks its prefix cache holds."""
         hashes = cacheable_hashes(prompt, pool[0].info.layout.block_size)
         return self.registry.kv.prefix_blocks(hashes, [w.worker_id for w in pool])
+
+    # ---- what the other parts ask of a model's pool -------------------------------------------
+    def disaggregated(self, model: str) -> bool:
+        """Split pools: some worker only prefills. Else every worker runs both phases."""
+        return any(w.info.role == "prefill" for w in self.registry.serving(model))
+
+    def has_decoder(self, model: str, avoid: Collection[str] = ()) -> bool:
+        """Some decode worker of ``model`` takes work (not draining, not in ``avoid``)."""
+        pool = self.registry.serving(model)
+        return any(w.can_decode and w.worker_id not in avoid for w in pool)
+
+    def prefill_queue_tokens(self, model: str, avoid: Collection[str]) -> int | None:
+        """The shortest prefill queue (prompt tokens) of the model's answering prefill workers;
+        None when it has none."""
+        queues = [
+            w.load.queued_prompt_tokens
+            for w in self.registry.serving(model)
+            if w.info.role == "prefill" and w.worker_id not in avoid
+        ]
+        return min(queues) if queues else None
+
+    def block_size(self, model: str) -> int:
+        """Tokens per KV block of ``model`` (every worker of a model has the same layout)."""
+        for w in self.registry.workers.values():
+            if w.info.model == model:
+                return w.info.layout.block_size
+        raise LookupError(f"no worker serves {model}")
+
+    def max_model_len(self, model: str) -> int:
+        """The longest context a worker of ``model`` registered (0: none said)."""
+        workers = self.registry.workers.values()
+        return max((w.info.max_model_len for w in workers if w.info.model == model), default=0)
+
+    def decode_capacity(self, model: str) -> tuple[int, int]:
+        """(blocks, block size) of the largest decode-capable worker of ``model``: what one
+        request can ever hold. (0, 1) when none serves it."""
+        workers = self.registry.workers.values()
+        pool = [w for w in workers if w.info.model == model and w.can_decode]
+        if not pool:
+            return 0, 1
+        best = max(pool, key=lambda w: w.info.num_blocks)
+        return best.info.num_blocks, best.info.layout.block_size

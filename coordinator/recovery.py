@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pdserve.coordinator.dispatch import Reservations
+from pdserve.coordinator.peers import TransferPeers
 from pdserve.coordinator.placement import Placement
-from pdserve.coordinator.reservations import Reservations
-from pdserve.coordinator.routes import Route, RouteState
-from pdserve.coordinator.shared import Shared
+from pdserve.coordinator.routes import Route, RouteState, Shared
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 
@@ -47,8 +47,10 @@ class Recovery:
         placement: Placement,
         reservations: Reservations,
         timeouts: Timeouts,
+        peers: TransferPeers,
     ) -> None:
         self.shared = shared
+        self.peers = peers
         self.placement = placement
         self.reservations = reservations
         self.timeouts = timeouts
@@ -59,6 +61,7 @@ class Recovery:
         for worker in shared.registry.expire(now):
             shared.outbox.forget_worker(worker.worker_id)
             shared.silent.heard(worker.worker_id)
+            self.peers.left(worker.info)
             self.reroute_from(worker.worker_id)
 
     def reroute_from(self, worker_id: str) -> None:

@@ -1,47 +1,53 @@
-"""Workers the coordinator knows: what they serve, their KV layout, their last reported load.
+"""The workers the coordinator knows, and what it believes of them: what each registered, its
+load as last reported (``WorkerLoad``, estimated between heartbeats), and whether it is alive.
 
-Load between heartbeats is estimated: reserving blocks on a decode worker lowers its free
-count, and a prefill job raises a prefill worker's queued prompt tokens, until the next
-heartbeat replaces both with the worker's own figures.
+A worker's id is bound to the key that registered it, and the numbers it reports must fit what
+it registered: its figures steer placement (the most free blocks, the fewest queued tokens
+win), so an impossible one (a billion blocks, a negative queue) would draw every request. Such
+a message is refused and logged (``admit``), never clipped into something plausible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from pdserve.coordinator.kv_index import KVIndex
-from pdserve.coordinator.trust import (
-    RateLimitedLog,
-    heartbeat_problem,
-    kv_events_problem,
-    register_problem,
-)
+from pdserve.coordinator.kv_index import KVIndex, kv_events_problem
 from pdserve.kvtransfer.base import LayoutMismatchError, check_layouts
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import (
+    TRANSFER_SECONDS_BUCKETS,
+    Heartbeat,
+    KVEvents,
+    Register,
+    WorkerCounters,
+    WorkerLoad,
+)
+from pdserve.runtime.loop import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
 # what only the worker itself may say: checked against the key that registered its id
-WORKER_MESSAGES = (m.Heartbeat, m.Reserved, m.Finished, m.KVEvents)
+WORKER_MESSAGES = (Heartbeat, m.Reserved, m.Finished, KVEvents)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+MAX_KV_BYTES = 64 << 40  # one worker's KV cache: more than any node holds (64 TiB)
+MAX_LAYOUT = {"block_size": 4096, "num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096}
+MAX_MODEL_LEN = 1 << 24
+MAX_REQUESTS = 1 << 20  # running or waiting on one worker
+MAX_QUEUED_TOKENS = 1 << 40
 
 
 @dataclass
 class Worker:
-    """One registered worker: what it registered, and its load as last reported (or
-    estimated since)."""
+    """One registered worker: what it registered, and its load as last reported (or estimated
+    since: ``expect``, ``coordinator.placement``)."""
 
-    info: m.Register
+    info: Register
     last_seen: float
-    free_blocks: int
-    used_blocks: int = 0
-    running: int = 0
-    waiting: int = 0
-    queued_prompt_tokens: int = 0
-    draining: bool = False
-    counters: m.WorkerCounters = field(default_factory=m.WorkerCounters)
+    load: WorkerLoad
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
 
     @property
     def worker_id(self) -> str:
@@ -49,18 +55,28 @@ class Worker:
 
     @property
     def can_prefill(self) -> bool:
-        return self.info.role in ("prefill", "both")
+        return self.info.role == "prefill" or self.info.role == "both"
 
     @property
     def can_decode(self) -> bool:
-        return self.info.role in ("decode", "both")
+        return self.info.role == "decode" or self.info.role == "both"
+
+    def expect(self, *, prompt_tokens: int = 0, blocks: int = 0) -> None:
+        """Work sent since its last heartbeat: a prefill job queues ``prompt_tokens``, a
+        reservation takes ``blocks``, until the next heartbeat gives its own figures."""
+        load = self.load
+        self.load = dataclasses.replace(
+            load,
+            queued_prompt_tokens=load.queued_prompt_tokens + prompt_tokens,
+            free_blocks=load.free_blocks - blocks,
+        )
 
 
 @dataclass
 class WorkerRegistry:
     """Owns the workers the coordinator knows (by id), the key each registered with, and the
     index of what their prefix caches hold (``kv``): who may say what (``admit``), who is
-    alive (``expire``), and the figures placement and admission read."""
+    alive (``expire``), and the cluster as gateways see it (``cluster_state``)."""
 
     heartbeat_timeout_s: float = 5.0
     workers: dict[str, Worker] = field(default_factory=dict)
@@ -73,11 +89,11 @@ class WorkerRegistry:
     def admit(self, msg: m.Message, sender: str) -> bool:
         """Whether ``sender`` may say ``msg``: a live worker id speaks only with the key that
         registered it, and its numbers must fit what it registered. Refusals are logged."""
-        if isinstance(msg, m.Register):
+        if isinstance(msg, Register):
             return self._admit_register(msg, sender)
-        worker_id = getattr(msg, "worker_id", None)
-        if not isinstance(msg, WORKER_MESSAGES) or worker_id is None:
+        if not isinstance(msg, WORKER_MESSAGES):
             return True
+        worker_id = msg.worker_id
         owner = self.owners.get(worker_id)
         if owner is not None and owner != sender:
             self.refusals.error(
@@ -90,27 +106,20 @@ class WorkerRegistry:
             )
             return False
         known = self.workers.get(worker_id)
-        if isinstance(msg, (m.Heartbeat, m.Reserved)) and known is not None:
-            problem = heartbeat_problem(msg, known.info.num_blocks)
-            if problem is not None:
-                self.refusals.error(
-                    f"heartbeat {worker_id} {problem.split('=')[0]}",
-                    "refused a %s of %s: %s",
-                    "heartbeat" if isinstance(msg, m.Heartbeat) else "reservation",
-                    worker_id,
-                    problem,
-                )
-                return False
-        if isinstance(msg, m.KVEvents) and known is not None:
-            problem = kv_events_problem(msg, known.info.num_blocks)
-            if problem is not None:
-                self.refusals.error(
-                    f"kv events {worker_id}", "refused kv events of %s: %s", worker_id, problem
-                )
-                return False
-        return True
+        problem = None if known is None else figures_problem(msg, known.info.num_blocks)
+        if problem is None:
+            return True
+        if isinstance(msg, KVEvents):
+            self.refusals.error(
+                f"kv events {worker_id}", "refused kv events of %s: %s", worker_id, problem
+            )
+        else:
+            what = "heartbeat" if isinstance(msg, Heartbeat) else "reservation"
+            key = f"heartbeat {worker_id} {problem.split('=')[0]}"
+            self.refusals.error(key, "refused a %s of %s: %s", what, worker_id, problem)
+        return False
 
-    def _admit_register(self, info: m.Register, sender: str) -> bool:
+    def _admit_register(self, info: Register, sender: str) -> bool:
         problem = register_problem(info)
         if problem is not None:
             self.refusals.error(
@@ -130,7 +139,7 @@ class WorkerRegistry:
         self.owners[info.worker_id] = sender
         return True
 
-    def register(self, info: m.Register, now: float) -> None:
+    def register(self, info: Register, now: float) -> None:
         """Add (or re-add) a worker; ``LayoutMismatchError`` if its KV blocks cannot be
         exchanged with the other workers of its model. Workers re-send it every second."""
         known = self.workers.get(info.worker_id)
@@ -147,24 +156,20 @@ class WorkerRegistry:
                     f"{names[0]} moves KV over {info.transfer_backend!r} but {names[1]} over "
                     f"{other.info.transfer_backend!r}"
                 )
-        self.workers[info.worker_id] = Worker(info, now, free_blocks=info.num_blocks)
+        self.workers[info.worker_id] = Worker(info, now, WorkerLoad.idle(info.num_blocks))
         self.kv.drop(info.worker_id)  # a new process: its cache starts from its own events
 
-    def heartbeat(self, hb: m.Heartbeat, now: float) -> bool:
+    def heartbeat(self, hb: Heartbeat, now: float) -> bool:
         worker = self.workers.get(hb.worker_id)
         if worker is None:
             return False
         worker.last_seen = now
-        worker.free_blocks, worker.used_blocks = hb.free_blocks, hb.used_blocks
-        worker.running, worker.waiting = hb.running, hb.waiting
-        worker.queued_prompt_tokens = hb.queued_prompt_tokens
-        worker.counters = hb.counters
-        if hb.draining and not worker.draining:
+        if hb.load.draining and not worker.load.draining:
             logger.info("worker %s is draining: no new work goes to it", worker.worker_id)
-        worker.draining = hb.draining
+        worker.load, worker.counters = hb.load, hb.counters
         return True
 
-    def kv_events(self, ev: m.KVEvents) -> None:
+    def kv_events(self, ev: KVEvents) -> None:
         """A registered worker's prefix-cache changes into the index (``admit`` checked it)."""
         worker = self.workers.get(ev.worker_id)
         if worker is None:
@@ -185,34 +190,17 @@ class WorkerRegistry:
             self.kv.drop(w.worker_id)
         return dead
 
-    # ---- pairing ---------------------------------------------------------------------------
     def models(self) -> set[str]:
         return {w.info.model for w in self.workers.values()}
 
-    def disaggregated(self, model: str) -> bool:
-        """Split pools: some worker only prefills. Else every worker runs both phases."""
-        return any(w.info.role == "prefill" for w in self._serving(model))
-
-    def pick_colocated(self, model: str, tokens: int) -> Worker | None:
-        pool = [w for w in self._serving(model) if w.info.role == "both"]
-        if not pool:
-            return None
-        best = min(pool, key=lambda w: (w.queued_prompt_tokens + w.running, -w.free_blocks))
-        best.queued_prompt_tokens += tokens
-        return best
+    def serving(self, model: str) -> list[Worker]:
+        """The workers of ``model`` that take new work (not draining)."""
+        return [w for w in self.workers.values() if w.info.model == model and not w.load.draining]
 
     def ready(self, model: str) -> bool:
-        pool = self._serving(model)
+        pool = self.serving(model)
         return any(w.can_prefill for w in pool) and any(w.can_decode for w in pool)
 
-    def has_decoder(self, model: str, avoid: Collection[str] = ()) -> bool:
-        """Some decode worker of ``model`` takes work (not draining, not in ``avoid``)."""
-        return any(w.can_decode and w.worker_id not in avoid for w in self._serving(model))
-
-    def _serving(self, model: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.info.model == model and not w.draining]
-
-    # ---- reporting -------------------------------------------------------------------------
     def cluster_state(self) -> m.ClusterState:
         models: dict[str, m.ServedModel] = {}
         for w in self.workers.values():
@@ -229,10 +217,7 @@ class WorkerRegistry:
                 role=w.info.role,
                 worker_id=w.worker_id,
                 model=w.info.model,
-                used_blocks=w.used_blocks,
-                total_blocks=w.info.num_blocks,
-                running=w.running,
-                waiting=w.waiting,
+                load=w.load,
                 counters=w.counters,
             )
             for w in self.workers.values()
@@ -243,41 +228,69 @@ class WorkerRegistry:
             coordinator_id=self.instance_id,
         )
 
-    # ---- figures for placement and admission ----------------------------------------------
-    def prefill_queue_tokens(self, model: str, avoid: Collection[str]) -> int | None:
-        """The shortest prefill queue (prompt tokens) of the model's answering prefill workers;
-        None when it has none."""
-        queues = [
-            w.queued_prompt_tokens
-            for w in self._serving(model)
-            if w.info.role == "prefill" and w.worker_id not in avoid
-        ]
-        return min(queues) if queues else None
 
-    def block_size(self, model: str) -> int:
-        """Tokens per KV block of ``model`` (every worker of a model has the same layout)."""
-        for w in self.workers.values():
-            if w.info.model == model:
-                return w.info.layout.block_size
-        raise LookupError(f"no worker serves {model}")
+# ---- what a worker's messages must fit -------------------------------------------------------
 
-    def max_model_len(self, model: str) -> int:
-        """The longest context a worker of ``model`` registered (0: none said)."""
-        lengths = [w.info.max_model_len for w in self.workers.values() if w.info.model == model]
-        return max(lengths, default=0)
 
-    def decode_capacity(self, model: str) -> tuple[int, int]:
-        """(blocks, block size) of the largest decode-capable worker of ``model``: what one
-        request can ever hold. (0, 1) when none serves it."""
-        pool = [w for w in self.workers.values() if w.info.model == model and w.can_decode]
-        if not pool:
-            return 0, 1
-        best = max(pool, key=lambda w: w.info.num_blocks)
-        return best.info.num_blocks, best.info.layout.block_size
+def register_problem(info: Register) -> str | None:
+    """Why a ``Register`` cannot be true, or None."""
+    layout = info.layout
+    for name, limit in MAX_LAYOUT.items():
+        value = getattr(layout, name)
+        if not 1 <= value <= limit:
+            return f"layout {name}={value} is outside [1, {limit}]"
+    size = DTYPE_BYTES.get(layout.dtype)
+    if size is None:
+        return f"unknown KV dtype {layout.dtype!r}"
+    block_bytes = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * size
+    block_bytes *= layout.num_layers
+    if not 1 <= info.num_blocks <= MAX_KV_BYTES // block_bytes:
+        return (
+            f"num_blocks={info.num_blocks} is outside [1, {MAX_KV_BYTES // block_bytes}] "
+            f"({block_bytes} bytes a block, at most {MAX_KV_BYTES >> 40} TiB of KV a worker)"
+        )
+    if not 0 <= info.max_model_len <= MAX_MODEL_LEN:
+        return f"max_model_len={info.max_model_len} is outside [0, {MAX_MODEL_LEN}]"
+    return None
 
-    def free_blocks_answered(self, worker_id: str, free_blocks: int, in_flight: int) -> None:
-        """A decode worker's own free count in a ``Reserved``, less the blocks of reservations
-        sent to it and not answered yet (``in_flight``), replaces the estimate."""
-        worker = self.workers.get(worker_id)
-        if worker is not None and 0 <= free_blocks <= worker.info.num_blocks:
-            worker.free_blocks = max(0, free_blocks - in_flight)
+
+def figures_problem(msg: m.Message, num_blocks: int) -> str | None:
+    """Why the figures in a worker's ``Heartbeat``, ``Reserved`` or ``KVEvents`` cannot be true
+    of a worker that registered ``num_blocks``, or None."""
+    if isinstance(msg, Heartbeat):
+        return load_problem(msg.load, num_blocks) or counters_problem(msg.counters)
+    if isinstance(msg, m.Reserved):
+        ids_ok = all(0 <= b < num_blocks for b in msg.block_ids)
+        if msg.free_blocks > num_blocks or not ids_ok:
+            return f"free_blocks={msg.free_blocks} or block ids outside [0, {num_blocks})"
+    if isinstance(msg, KVEvents):
+        return kv_events_problem(msg, num_blocks)
+    return None
+
+
+def load_problem(load: WorkerLoad, num_blocks: int) -> str | None:
+    if load.total_blocks != num_blocks:
+        return f"total_blocks={load.total_blocks}, registered {num_blocks}"
+    free, used = load.free_blocks, load.used_blocks
+    if free < 0 or used < 0 or free + used > num_blocks:
+        return f"free_blocks={free} used_blocks={used} of {num_blocks}"
+    for name, value in (("running", load.running), ("waiting", load.waiting)):
+        if not 0 <= value <= MAX_REQUESTS:
+            return f"{name}={value} is outside [0, {MAX_REQUESTS}]"
+    queued = load.queued_prompt_tokens
+    if not 0 <= queued <= MAX_QUEUED_TOKENS:
+        return f"queued_prompt_tokens={queued} is outside [0, {MAX_QUEUED_TOKENS}]"
+    return None
+
+
+def counters_problem(c: WorkerCounters) -> str | None:
+    """Totals that cannot be a worker's: negative, not finite, or a histogram of the wrong
+    shape (they are only shown in ``/metrics``, but never as garbage)."""
+    totals = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
+    if any(not 0 <= v < 1 << 63 for v in (*totals, *c.transfer_seconds_counts)):
+        return "a counter outside [0, 2**63)"
+    if not 0.0 <= c.transfer_seconds_sum < float(1 << 63):  # NaN fails too
+        return f"transfer_seconds_sum={c.transfer_seconds_sum}"
+    if len(c.transfer_seconds_counts) not in (0, len(TRANSFER_SECONDS_BUCKETS) + 1):
+        return f"{len(c.transfer_seconds_counts)} transfer-time buckets"
+    return None

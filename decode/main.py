@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.decode.record import KVFailurePolicy
 from pdserve.worker.args import add_worker_args
 from pdserve.worker.process import RoleParts, WorkerContext, run_worker
 
@@ -19,8 +20,8 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kv-failure-policy",
-        choices=["recompute", "fail"],
-        default="recompute",
+        choices=[p.value for p in KVFailurePolicy],
+        default=KVFailurePolicy.RECOMPUTE.value,
         help="when a KV transfer fails: prefill here instead, or end the request",
     )
 

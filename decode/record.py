@@ -1,4 +1,5 @@
-"""A decode worker's record of one choice of a request, and the states it goes through."""
+"""A decode worker's record of one choice of a request, the states it goes through, and the
+policy that decides where it goes when its KV transfer fails."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ class DecodeState(enum.Enum):
 
 
 PENDING = (DecodeState.RESERVED, DecodeState.RECEIVING)  # waiting for the prompt's KV
+
+
+class KVFailurePolicy(enum.StrEnum):
+    """When a choice's KV transfer fails (``--kv-failure-policy``): compute its prompt and
+    token 0 here instead (RUNNING), or end the request with an error (FAILED)."""
+
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
 
 
 @dataclass

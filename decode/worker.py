@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.decode.record import PENDING, DecodeRecord, DecodeState
+from pdserve.decode.record import PENDING, DecodeRecord, DecodeState, KVFailurePolicy
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.base import KVPoll, KVReceiver
@@ -49,14 +49,10 @@ class DecodeWorker(Worker[DecodeRecord]):
         worker_id: str,
         outbox: Outbox,
         transfer_timeout_s: float = 30.0,
-        kv_failure_policy: str = "recompute",
+        kv_failure_policy: KVFailurePolicy | str = KVFailurePolicy.RECOMPUTE,
     ) -> None:
-        if kv_failure_policy not in ("recompute", "fail"):
-            raise ValueError(
-                f"kv_failure_policy must be recompute or fail, not {kv_failure_policy!r}"
-            )
         super().__init__(engine, worker_id, outbox)
-        self.kv_failure_policy = kv_failure_policy
+        self.kv_failure_policy = KVFailurePolicy(kv_failure_policy)  # else ValueError
         self.receiver = receiver
         self.transfer_timeout_s = transfer_timeout_s
 
@@ -265,10 +261,10 @@ class DecodeWorker(Worker[DecodeRecord]):
                 self._fail(key, record.stream_address, 503, "the prompt's KV never arrived")
 
     def _transfer_failed(self, key: ChoiceKey, record: DecodeRecord, reason: str | None) -> None:
-        """The reservation is given back; ``recompute``: prefill the prompt (and token 0) here
-        instead, each choice under a RUNNING record; ``fail``: end the request."""
+        """The reservation is given back; RECOMPUTE: prefill the prompt (and token 0) here
+        instead, each choice under a RUNNING record; FAIL: end the request."""
         self._free(key, DecodeState.FAILED)
-        if self.kv_failure_policy == "fail":
+        if self.kv_failure_policy is KVFailurePolicy.FAIL:
             self._fail(key, record.stream_address, 500, f"KV transfer failed: {reason}")
             return
         logger.warning("KV transfer for %s failed (%s): recomputing locally", key, reason)
@@ -293,7 +289,7 @@ class DecodeWorker(Worker[DecodeRecord]):
         if out.finished:
             self._free(record.key, DecodeState.FINISHED)
             self._finished(record.key)
-            if out.finish_reason == "abort":
+            if out.finish_reason is m.FinishReason.ABORT:
                 return
         index = out.num_output_tokens - len(out.new_token_ids)
         chunk = token_chunk(record.key, out, index, out.new_token_ids, out.finish_reason)

@@ -1,4 +1,9 @@
-"""Paged KV block allocator: reference counts, a free list, and a prefix cache.
+"""The paged KV cache: the block allocator (``BlockManager``: reference counts, a free list, and
+a prefix cache) and the storage its block ids index (``KVCache``: one tensor per layer, sized
+from a memory budget)::
+
+    layers[l]: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (see attention/base.py)
+    block b of a sequence's block_table: layers[l][b] for every layer l, K then V
 
 Every full block gets a chained hash ``h_i = H(h_{i-1}, tokens of block i)``, so equal hashes
 mean equal prefixes. A request whose leading full blocks hash the same as cached ones shares
@@ -19,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.protocol.blocks import blocks_for
+import torch
+
+from pdserve.engine.config import CacheConfig, ConfigError, ModelConfig
+from pdserve.protocol.blocks import blocks_for, full_blocks
 
 # the coordinator hashes prompts the same way to route them (coordinator/kv_index.py)
 from pdserve.protocol.prefix import block_hashes as block_hashes
@@ -58,6 +66,9 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockManager:
+    """Owns who holds which block: reference counts, the free list (in eviction order) and the
+    prefix cache (block hash -> block id); never the KV itself (``KVCache``)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -101,7 +112,7 @@ class BlockManager:
         return self._cached_run(block_hashes(token_ids, self.block_size, []), token_ids)
 
     def _cached_run(self, hashes: list[int], tokens: Sequence[int]) -> list[int]:
-        limit = (len(tokens) - 1) // self.block_size
+        limit = full_blocks(max(len(tokens) - 1, 0), self.block_size)  # never the last token
         hits: list[int] = []
         for h in hashes[:limit]:
             block_id = self.cached.get(h)
@@ -114,7 +125,7 @@ class BlockManager:
         """Register the hashes of blocks whose every token now has its KV computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = full_blocks(seq.num_computed_tokens, self.block_size)
         if num_full <= seq.num_committed_blocks:
             return
         hashes = block_hashes(seq.all_token_ids, self.block_size, seq.block_hashes)
@@ -209,3 +220,70 @@ class BlockManager:
             self.free[block_id] = None
             if block.hash is None:
                 self.free.move_to_end(block_id, last=False)
+
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the KV budget on a CPU when nothing sets one
+
+
+@dataclass
+class KVCache:
+    """The KV of every block, one tensor per layer (layout in the module docstring)."""
+
+    layers: list[torch.Tensor]
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers[0].shape[0]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Block ``dst[i]`` of every layer becomes a copy of block ``src[i]`` (K and V)."""
+        if not src:
+            return
+        device = self.layers[0].device
+        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+        for layer in self.layers:  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+            layer[dst_t] = layer[src_t]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @classmethod
+    def num_blocks_for(
+        cls, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    ) -> int:
+        """``num_blocks`` if set; else the ``kv_cache_memory`` budget; else, on CUDA, the
+        share of free memory left under ``gpu_memory_utilization``; else 256 MiB on CPU."""
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = cls.bytes_per_block(cfg, cache.block_size, dtype)
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - int(total * (1.0 - cache.gpu_memory_utilization))
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                "raise --kv-cache-memory or --gpu-memory-utilization"
+            )
+        return num_blocks
+
+    @classmethod
+    def create(
+        cls, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
+        n = cls.num_blocks_for(cfg, cache, dtype, device)
+        shape = (n, 2, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        return cls(layers, cache.block_size)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.protocol.blocks import blocks_for
 
 if TYPE_CHECKING:
     from pdserve.engine.attention.flashinfer_backend import GraphState
@@ -80,7 +81,7 @@ def pad_decode(
         raise ValueError(f"{n} rows do not fit a bucket of {bucket}")
     slot = pad_slot(decode_slots(seq_lens, block_tables, block_size))
     pad_len, pad_table = slot % block_size + 1, [slot // block_size]
-    pages = [-(-s // block_size) for s in seq_lens]
+    pages = [blocks_for(s, block_size) for s in seq_lens]
     tables = [list(t[:p]) for t, p in zip(block_tables, pages, strict=True)]
     return PaddedDecode(
         seq_lens=[*seq_lens, *[pad_len] * (bucket - n)],
@@ -219,7 +220,7 @@ def maybe_capture(
         logger.info("CUDA graphs off: %s", reason)
         return None
     sizes = capture_sizes(config.scheduler.max_num_seqs)
-    max_blocks = -(-max_model_len // kv_layers[0].shape[2])
+    max_blocks = blocks_for(max_model_len, kv_layers[0].shape[2])
     runner = CudaGraphRunner(model, kv_layers, backend, model_config, sizes, max_blocks)
     runner.setup()
     logger.info("CUDA graphs captured for decode batch sizes %s", sizes)

@@ -1,4 +1,5 @@
-"""The in-process engine: ``add_request``, ``step``, ``abort``. No sockets (workers own those).
+"""The in-process engine: ``add_request``, ``step``, ``abort``, and what a worker reads of it
+(``status``). No sockets (workers own those).
 
 Every call to ``step`` schedules one batch (decode tokens and prefill chunks together), runs
 the model once, samples, and returns what each touched request produced in that step.
@@ -6,10 +7,14 @@ the model once, samples, and returns what each touched request produced in that 
 The engine holds named parts, each owning one concern::
 
     requests   engine/requests.py    the table of sequences by id, making and ending them
-    scheduler  engine/scheduler.py   the queues: waiting, running, waiting for remote KV
+    scheduler  engine/scheduler.py   the sequences' queues: waiting, running, waiting for
+                                     remote KV
     forks      engine/fork.py        a prompt computed once for its n choices
     handoff    engine/kv_handoff.py  KV held for a transfer, reservations KV is written into
-    status     engine/status.py      what a worker reads: blocks, KV layers, load
+    status     EngineStatus, below   what a worker reads: blocks, KV layers, load
+
+Workers register, heartbeat and move KV through ``status``, never through the scheduler or the
+block manager, so either can change inside the engine without a worker noticing.
 """
 
 from __future__ import annotations
@@ -21,19 +26,18 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, KVCache
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.fork import Forks
+from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.requests import RequestTable
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import RequestId, Sequence
-from pdserve.engine.status import EngineStatus
+from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
 from pdserve.engine.step_budget import calibrate_step_budget
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.protocol.messages import TokenLogprob
+from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -146,7 +150,7 @@ class LLMEngine:
         inputs = self.runner.prepare(batch.seqs, batch.num_new_tokens)
         logits = self.runner.execute(inputs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if not (n == 1 and seq.num_output_tokens and seq.num_uncomputed_tokens == 1):
+            if not (n == 1 and _decode_step(seq)):
                 self.prefill_tokens_computed += n  # anything but one token's decode step
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -164,7 +168,7 @@ class LLMEngine:
         if logprob is not None:
             seq.output_logprobs.append(logprob)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            # cannot happen for a token sampled under the mask; never let it pass as "stop"
+            # cannot happen for a token sampled under the mask; never let it pass as STOP
             logger.error("%s: constraint broken: %s", seq.request_id, seq.matcher.get_error())
             self.requests.end(seq)
             return
@@ -212,8 +216,74 @@ class LLMEngine:
         return [results[i] for i in ids]
 
 
+class EngineStatus:
+    """The engine's status part: owns nothing, reads the block manager, the KV cache and the
+    scheduler's queues for workers (registration, heartbeats, KV transfers)."""
+
+    def __init__(self, blocks: BlockManager, kv_cache: KVCache, scheduler: Scheduler) -> None:
+        self._blocks = blocks
+        self._kv_cache = kv_cache
+        self._scheduler = scheduler
+
+    # ---- the KV cache -----------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        """Tokens of KV one block holds."""
+        return self._blocks.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._blocks.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._blocks.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._blocks.num_used_blocks
+
+    @property
+    def kv_layers(self) -> list[torch.Tensor]:
+        """The KV cache, one tensor a layer: what a KV sender reads and a receiver writes."""
+        return self._kv_cache.layers
+
+    def kv_event_publisher(self, worker_id: str) -> KVEventPublisher:
+        """The ``KVEvents`` of this engine's prefix cache (one publisher an engine: it hooks
+        the block manager's store and evict events)."""
+        return KVEventPublisher(self._blocks, worker_id)
+
+    # ---- load -------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._scheduler.waiting)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """Tokens still to compute, the load a placement weighs: every waiting sequence's, and
+        each running one's but for a one-token decode step (cheap, and not prompt work)."""
+        sched = self._scheduler
+        waiting = sum(s.num_uncomputed_tokens for s in sched.waiting)
+        return waiting + sum(s.num_uncomputed_tokens for s in sched.running if not _decode_step(s))
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (here or reserved into), since start."""
+        return self._scheduler.prefix_hit_tokens
+
+
 def _eos_ids(model_dir: str, cfg: ModelConfig) -> list[int]:
     """The tokenizer's eos ids (generation_config, tokenizer_config, config), else config's."""
     if (Path(model_dir) / "tokenizer.json").is_file():
         return Tokenizer.from_dir(model_dir).eos_token_ids
     return list(cfg.eos_token_ids)
+
+
+def _decode_step(seq: Sequence) -> bool:
+    """``seq``'s next computation is one generated token's: not prompt work, neither in
+    ``LLMEngine.prefill_tokens_computed`` nor in ``EngineStatus.queued_prompt_tokens``."""
+    return seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0

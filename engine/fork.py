@@ -28,11 +28,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.block_manager import BlockManager, KVCache, NoFreeBlocks
 from pdserve.engine.requests import RequestTable
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import RequestId, Sequence
+from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
+from pdserve.protocol.blocks import full_blocks, tail_tokens
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -142,7 +141,7 @@ class Forks:
         """A block for the partial tail if the prompt has one; none free: ``seq`` is left
         without blocks to be computed again from its tokens, as if it had been preempted."""
         tail = None
-        if prompt.num_tokens % self.blocks.block_size:
+        if tail_tokens(prompt.num_tokens, self.blocks.block_size):
             try:
                 [tail] = self.blocks.allocate_blocks(1)
             except NoFreeBlocks:
@@ -173,11 +172,11 @@ def fork_blocks_into(
     """``seq`` shares the full blocks of ``num_tokens`` tokens of ``table``, then owns
     ``extra``: a copy of the partial block after them (``copies`` gets the pair), or, when
     there is none, the block for its next token."""
-    full = num_tokens // blocks.block_size
+    full = full_blocks(num_tokens, blocks.block_size)
     blocks.share(table[:full])
     seq.block_table = table[:full]
     if extra is not None:
-        if num_tokens % blocks.block_size:
+        if tail_tokens(num_tokens, blocks.block_size):
             copies.append((table[full], extra))
         seq.block_table.append(extra)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.protocol import messages as m
+from pdserve.protocol.control import KVEvents
 from pdserve.protocol.prefix import MAX_KV_EVENT_HASHES
 
 SNAPSHOT_EVERY = 30  # periods (heartbeats: 30 s) between snapshots
@@ -75,7 +75,7 @@ class KVEventPublisher:
         self.log = KVEventLog(limit=max(block_manager.num_blocks, max_hashes))
         block_manager.events = self.log
 
-    def messages(self) -> list[m.KVEvents]:
+    def messages(self) -> list[KVEvents]:
         """This period's messages (none when nothing changed), in the order to send them."""
         changes, overflowed = self.log.drain()
         self._periods += 1
@@ -90,7 +90,7 @@ class KVEventPublisher:
             out.append(self._message(stored, [h for h, held in chunk if not held]))
         return out
 
-    def _snapshot(self) -> list[m.KVEvents]:
+    def _snapshot(self) -> list[KVEvents]:
         held = list(self.block_manager.cached) if self.block_manager.enable_prefix_caching else []
         step = self.max_hashes
         parts = max(1, -(-len(held) // step))
@@ -99,8 +99,8 @@ class KVEventPublisher:
             for i in range(parts)
         ]
 
-    def _message(self, stored: list[int], evicted: list[int], **snapshot: object) -> m.KVEvents:
-        msg = m.KVEvents(
+    def _message(self, stored: list[int], evicted: list[int], **snapshot: object) -> KVEvents:
+        msg = KVEvents(
             worker_id=self.worker_id,
             epoch=self.epoch,
             seq=self.seq,

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, KVCache
 from pdserve.engine.fork import check_choices, fork_blocks_into
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.requests import RequestTable
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import RequestId, Sequence
+from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
 from pdserve.protocol.blocks import blocks_for, fork_blocks
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams

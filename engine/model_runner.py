@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, make_backend
+from pdserve.engine.block_manager import KVCache
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import load_model
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.scheduler import Sequence
 
 logger = logging.getLogger(__name__)
 

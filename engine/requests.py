@@ -17,10 +17,10 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.grammar import GrammarCache, advance
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import RequestId, Sequence, SequenceStatus
+from pdserve.engine.scheduler import RequestId, Scheduler, Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.blocks import blocks_for
+from pdserve.protocol.messages import FinishReason
 from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -150,13 +150,13 @@ class RequestTable(Mapping[RequestId, Sequence]):
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
             elif not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
         if seq.finish_reason is None and (
             seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is not None:
             self.live.pop(seq.request_id, None)
             self.scheduler.finish(seq, free=not seq.hold_kv)
@@ -167,7 +167,7 @@ class RequestTable(Mapping[RequestId, Sequence]):
         """Abort a live sequence: out of the table and the scheduler, blocks freed."""
         self.live.pop(seq.request_id, None)
         self.scheduler.finish(seq)
-        seq.finish_reason = "abort"
+        seq.finish_reason = FinishReason.ABORT
 
     def take_due(self) -> list[Sequence]:
         due, self.due = self.due, []

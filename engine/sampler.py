@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.scheduler import Sequence
 from pdserve.protocol.messages import TokenLogprob
 
 

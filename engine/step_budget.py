@@ -28,7 +28,8 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.scheduler import Sequence
+from pdserve.protocol.blocks import blocks_for, full_blocks
 from pdserve.protocol.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def fit_step_tokens(
         raise ValueError(f"the step time budget must be positive, got {budget_s}")
     if max_rounds < 1:
         raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
-    low = min(max_tokens, -(-max(min_tokens, block_size) // block_size) * block_size)
+    low = min(max_tokens, blocks_for(max(min_tokens, block_size), block_size) * block_size)
     top = min(max_tokens, capacity) if capacity else max_tokens
     probes: list[tuple[int, float]] = []
     fits: list[tuple[int, float]] = []  # probes within budget, largest last
@@ -89,7 +90,7 @@ def fit_step_tokens(
         else:
             over = (n, t)
         guess = _next_guess(fits[-2:], over, budget_s)
-        n = min(top, max(low, guess // block_size * block_size))
+        n = min(top, max(low, full_blocks(max(guess, 0), block_size) * block_size))
         if (over is not None and n >= over[0]) or (fits and n <= fits[-1][0]):
             break  # nothing left to learn: at the floor, or no better than what fits
     if fits:

@@ -1,4 +1,5 @@
-"""The endpoints beside generation, as vLLM and OpenAI shape them, and the model names they share:
+"""The endpoints beside generation, as vLLM and OpenAI shape them, and the served models they
+share with it::
 
     POST /tokenize     {model?, prompt | messages, add_special_tokens?, add_generation_prompt?,
                         chat_template_kwargs?, tools?, return_token_strs?}
@@ -9,26 +10,32 @@
 
 A request names a model by its served name or an alias; the alias resolves to the served name,
 which responses report (vLLM's first ``--served-model-name``). ``model`` may be left out while
-the gateway serves one model. Inputs are bounded as generation's are: the body limit and
-timeout (``gateway.admission``), the prompt guard, at most ``max_model_len`` tokens to decode.
+the gateway serves one model. Each served model's tokenizer is loaded from its root on first use
+(``LazyTokenizers``). Inputs are bounded as generation's are: the body limit and timeout
+(``gateway.admission``), the prompt guard (``gateway.jobs``), at most ``max_model_len`` tokens
+to decode.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-from collections.abc import Collection, Mapping
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.errors import invalid_request, model_not_found
+from pdserve.gateway.errors import OpenAIError, invalid_request, model_not_found
+from pdserve.gateway.jobs import check_prompt_size, too_long
 from pdserve.gateway.openai_models import INT64_MAX, ChatCompletionRequest, ChatMessage
-from pdserve.gateway.prompt_guard import check_prompt_size, too_long
 from pdserve.gateway.tools.models import MAX_TOOLS, Tool
 from pdserve.gateway.tools.request import template_tools
 from pdserve.protocol import messages as m
+
+log = logging.getLogger(__name__)
 
 
 def pdserve_version() -> str:
@@ -53,6 +60,64 @@ def resolve_model(name: str | None, aliases: Mapping[str, str], served: Collecti
             raise invalid_request("model is required: this server serves several models", "model")
         return next(iter(served))
     return aliases.get(name, name)
+
+
+class LazyTokenizers(Mapping[str, Tokenizer]):
+    """The tokenizer of every model ``roots()`` names, loaded from its root on first use.
+
+    A tokenizer that cannot be loaded is logged and answered with a 503 ``OpenAIError`` from
+    ``[]`` and ``get`` (only a ``KeyError`` means "no such model"); it is tried again after
+    ``retry_s`` or when the model's root changes. ``in`` is False for it."""
+
+    def __init__(
+        self,
+        roots: Callable[[], Mapping[str, str]],
+        load: Callable[[str], Tokenizer] = Tokenizer.from_dir,
+        *,
+        retry_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._roots = roots
+        self._load = load
+        self._retry_s = retry_s
+        self._clock = clock
+        self._loaded: dict[str, tuple[str, Tokenizer]] = {}  # name -> (root, tokenizer)
+        self._failed: dict[str, tuple[str, float, str]] = {}  # name -> (root, when, message)
+
+    def __getitem__(self, name: str) -> Tokenizer:
+        root = self._roots().get(name)
+        if root is None:
+            raise KeyError(name)
+        loaded = self._loaded.get(name)
+        if loaded is not None and loaded[0] == root:
+            return loaded[1]
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] == root and self._clock() - failed[1] < self._retry_s:
+            raise OpenAIError(503, failed[2], param="model")
+        try:
+            tokenizer = self._load(root)
+        except Exception as e:
+            message = f"model `{name}` is unavailable: no tokenizer in {root}: {e}"
+            log.error("%s", message)
+            self._failed[name] = (root, self._clock(), message)
+            raise OpenAIError(503, message, param="model") from e
+        self._loaded[name] = (root, tokenizer)
+        self._failed.pop(name, None)
+        log.info("loaded the tokenizer of %s from %s", name, root)
+        return tokenizer
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, OpenAIError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._roots())
+
+    def __len__(self) -> int:
+        return len(self._roots())
 
 
 def model_card(info: m.ServedModel, name: str | None = None) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """The HTTP layer: one handler per endpoint, each a few lines over plain functions (``Gateway``
-here; ``jobs``, ``run``, ``stream``, ``api_extras``)::
+here; ``jobs``, ``run``, ``responses``, ``api_extras``)::
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
     POST /tokenize   POST /detokenize   GET /version   GET /health   GET /metrics
 
 A generation request: ``Gateway.lookup`` (the model), ``jobs.prepare_*`` (the ``Job``),
-``Gateway.serve`` (its ``JobRun`` started, then streamed by ``stream.stream_events`` or
+``Gateway.serve`` (its ``JobRun`` started, then streamed by ``responses.stream_events`` or
 collected by ``complete``).
 """
 
@@ -41,6 +41,7 @@ from pdserve.gateway.api_extras import (
 from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import (
+    ERROR_RESPONSES,
     OpenAIError,
     error_response,
     from_backend,
@@ -50,10 +51,15 @@ from pdserve.gateway.errors import (
 from pdserve.gateway.headers import add_header_middleware
 from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
 from pdserve.gateway.metrics import GatewayMetrics, Outcome
-from pdserve.gateway.openai_models import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.prometheus import CONTENT_TYPE
+from pdserve.gateway.responses import (
+    BoundedStreamingResponse,
+    collect,
+    error_body,
+    stream_events,
+)
 from pdserve.gateway.run import JobRun
-from pdserve.gateway.stream import BoundedStreamingResponse, collect, error_body, stream_events
 from pdserve.protocol import messages as m
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ The contract:
 - ``await submit(request)`` admits the request or raises ``BackendError`` (overloaded: 429,
   unavailable: 503) before any token exists; it returns the request's token stream.
 - The stream yields the ``TokenChunk``s of all ``n`` choices, interleaved; each choice's in
-  index order, every token once (``gateway.reorder.ChoiceOrder`` makes them so: token 0 of a
-  choice comes from the prefill worker, tokens 1.. from the decode worker, and either may come
-  first; a migrated choice's new worker may repeat tokens). Nothing is reordered after the
-  backend.
+  index order, every token once (``gateway.token_streams.ChoiceOrder`` makes them so: token 0
+  of a choice comes from the prefill worker, tokens 1.. from the decode worker, and either may
+  come first; a migrated choice's new worker may repeat tokens). Nothing is reordered after
+  the backend.
 - Each choice ends with exactly one chunk that has ``finished`` set and a ``finish_reason``:
   ``"length"`` (max tokens or context), or ``"stop"`` when the last token of that chunk is an
   eos / stop token id (the gateway counts it but never shows its text); for any other reason

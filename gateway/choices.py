@@ -1,10 +1,13 @@
 """One choice of a request: token chunks in, text deltas out.
 
 Chunks come in index order, each token once (the backend's contract, kept by
-``gateway.reorder``: nothing is reordered here); each token goes through the detokenizer and
-the stop matcher:
+``gateway.token_streams.ChoiceOrder``: nothing is reordered here); each token goes through the
+detokenizer and the stop matcher:
 
-    chunks --token ids--> detokenize --text--> stop strings --> deltas for the client
+    chunks --token ids--> IncrementalDetokenizer --text--> StopMatcher --> deltas for the client
+
+``ChoiceState`` owns one choice's progress and finish; ``IncrementalDetokenizer`` turns its ids
+into text; ``StopMatcher`` holds back what may be the start of a stop string.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.backend import BackendError
-from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.logprobs import LogprobEntry, TokenTexts, resolve
-from pdserve.gateway.stop import StopMatcher
 from pdserve.gateway.tools.calls import ToolCallDelta
 from pdserve.protocol.messages import TokenChunk
+
+_REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 4  # prompt ids kept as left context, so the first output token decodes in place
 
 
 @dataclass
@@ -29,7 +33,7 @@ class ChoiceUpdate:
     first: bool = False  # carries the choice's first token
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # set by gateway.tools.output
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # set by responses.ToolOutput
 
     def absorb(self, later: ChoiceUpdate) -> None:
         """Take in the same choice's next update (one event for a reader that fell behind)."""
@@ -41,6 +45,9 @@ class ChoiceUpdate:
 
 
 class ChoiceState:
+    """One choice's text state: its detokenizer and stop matcher, the next token index it
+    expects, its token count, and how it finished."""
+
     def __init__(
         self,
         index: int,
@@ -109,3 +116,98 @@ class ChoiceState:
         update.text += text + self._stop.flush()
         self.stopped_by_stop_string = matched
         self.finish_reason = update.finish_reason = "stop" if matched else reason
+
+
+class IncrementalDetokenizer:
+    """Text deltas whose concatenation equals ``decode(all_ids)``.
+
+    vLLM's prefix/read offsets over a sliding window of ids (what ``tokenizers.DecodeStream``
+    does)::
+
+        ids:  ... | prefix ......... read | new ids
+                  [   prefix_text       ]
+                  [   window_text                  ]   emitted: window_text[len(prefix_text):]
+
+    Decoding a window rather than single tokens keeps what the decoder does across token
+    boundaries (byte-level BPE joining bytes of one character, sentencepiece dropping the
+    leading space of the first token only). A window whose text ends in U+FFFD is an
+    unfinished UTF-8 sequence: nothing is emitted until a later token completes it (or
+    ``flush`` at the end gives it up as is)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        context_ids: Sequence[int] = (),
+    ) -> None:
+        """``context_ids`` (the prompt's tail) is decoded as left context and never emitted."""
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(context_ids[-CONTEXT_TOKENS:]) if context_ids else []
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it makes final (often "", never a partial char)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        window_text = self._decode(self._ids[self._prefix :])
+        if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return window_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished UTF-8 sequence), decoded as it stands."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        window_text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return window_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+
+
+class StopMatcher:
+    """Stop strings matched across token boundaries.
+
+    Text that could be the start of a stop string is held back until the next text proves it
+    is not; the client never sees a stop string or anything after it (OpenAI semantics)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Take new text; return (text safe to emit now, whether a stop string matched).
+
+        After a match the matcher is done: later calls return ("", True)."""
+        if self.stopped:
+            return "", True
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buf[: min(hits)], True
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, for a choice that ended for another reason."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buf)), longest, -1):
+                if buf.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

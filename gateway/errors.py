@@ -1,4 +1,5 @@
-"""OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}`` and their statuses.
+"""OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}`` and their statuses
+(``ErrorResponse``, ``ERROR_RESPONSES``: the same, as the OpenAPI schema documents them).
 
 Every 429 and 503 carries ``Retry-After`` (seconds), so clients and load balancers back off.
 """
@@ -12,12 +13,43 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.gateway.backend import BackendError
 
 _CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 500: "internal_error"}
 RETRY_AFTER_S = 1
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-200 answer of the API."""
+
+    error: ErrorDetail
+
+
+_ERROR_STATUSES = {
+    400: "Invalid request (including a prompt or max_tokens beyond the model's context)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body too large",
+    415: "Content type is not application/json",
+    429: "Overloaded; see Retry-After",
+    500: "Internal error",
+    503: "Unavailable or draining; see Retry-After",
+    504: "The request timed out (--request-timeout) and was aborted",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in _ERROR_STATUSES.items()
+}
 
 
 def _default_type(status: int) -> str:

@@ -9,7 +9,16 @@ One request, one name for each thing it is on its way through the gateway::
       -> m.Generate the backend request of one prompt, ``n`` choices: the wire's own message
                     (gateway.backend; the ZMQ backend sends it to the coordinator as it is)
       -> JobRun     one Job being served: its token streams, choices and outcome (gateway.run)
-      -> m.TokenChunk in, ChoiceUpdate out (gateway.choices), SSE or a body (gateway.stream)
+      -> m.TokenChunk in, ChoiceUpdate out (gateway.choices), SSE or a body (gateway.responses)
+
+A prompt's size is checked before it is tokenized whole (``check_prompt_size``): tokenizing a
+text costs memory per token (an 8 MiB prompt took the gateway from 66 to 931 MiB), so a text
+too long to be short is counted in pieces of ``CHUNK_CHARS`` characters, and refused (400
+``context_length_exceeded``) as soon as the count passes the context length: at most about
+``max_model_len`` tokens and one piece are ever tokenized for it, whatever its size. A cut
+between pieces can split a word into more tokens than it has whole, so each cut allows
+``SLACK_PER_CUT`` tokens before the text is refused; a text that passes is then tokenized
+whole and checked exactly as before.
 """
 
 from __future__ import annotations
@@ -18,18 +27,18 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.errors import OpenAIError, invalid_request
 from pdserve.gateway.openai_models import (
     MAX_PROMPTS,
+    AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
-    sampling_params,
 )
-from pdserve.gateway.prompt_guard import check_prompt_size
+from pdserve.gateway.structured import structured_spec
 from pdserve.gateway.tools.request import (
     ToolPlan,
     check_messages,
@@ -38,8 +47,14 @@ from pdserve.gateway.tools.request import (
     uses_special_tool_tokens,
 )
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHARS_PER_TOKEN = 4  # up to max_model_len * this many characters, tokenize whole at once
+CHUNK_CHARS = 16384
+WHOLE_CHARS = 4 * CHUNK_CHARS  # and up to this many, whatever the context length
+SLACK_PER_CUT = 2
+_CUT_WINDOW = 256  # cut at the last whitespace this close to a piece's end
 
 
 @dataclass(frozen=True)
@@ -218,3 +233,80 @@ def _max_tokens(
     if requested is not None:
         return requested
     return room if default is None else min(default, room)
+
+
+def sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
+    """The ``SamplingParams`` of ``req``: a field the request leaves unset keeps the type's
+    default (the one a worker would use); a value out of range is a 400 naming its field."""
+    d = _DEFAULTS
+    structured = structured_spec(req)  # its own errors name their field
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_given(req.temperature, d.temperature),
+            top_p=_given(req.top_p, d.top_p),
+            top_k=_given(req.top_k, d.top_k),
+            min_p=_given(req.min_p, d.min_p),
+            presence_penalty=_given(req.presence_penalty, d.presence_penalty),
+            frequency_penalty=_given(req.frequency_penalty, d.frequency_penalty),
+            repetition_penalty=_given(req.repetition_penalty, d.repetition_penalty),
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_tokens=_given(req.min_tokens, d.min_tokens),
+            logprobs=req.requested_logprobs(),
+            structured=structured,
+        )
+    except ValueError as e:
+        raise _sampling_error(str(e), req) from e
+
+
+_DEFAULTS = SamplingParams()
+T = TypeVar("T")
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _sampling_error(message: str, req: AnyRequest) -> OpenAIError:
+    param = message.split(" ", 1)[0].strip("()")
+    if param == "max_tokens" and isinstance(req, ChatCompletionRequest):
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else param
+    if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+        param = "top_logprobs"
+    known = param in SamplingParams.__dataclass_fields__ or param in type(req).model_fields
+    return invalid_request(message, param if known else None)
+
+
+def check_prompt_size(text: str, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
+    """Raise a 400 if ``text`` surely holds more tokens than ``max_model_len``."""
+    if max_model_len <= 0 or len(text) <= max(max_model_len * CHARS_PER_TOKEN, WHOLE_CHARS):
+        return
+    count = cuts = start = 0
+    while start < len(text):
+        end = _cut(text, start + CHUNK_CHARS)
+        count += len(tokenizer.encode(text[start:end], add_special_tokens=False))
+        cuts += end < len(text)
+        if count > max_model_len + SLACK_PER_CUT * cuts:
+            raise too_long(max_model_len, param)
+        start = end
+
+
+def too_long(max_model_len: int, param: str) -> OpenAIError:
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested more than {max_model_len} tokens in the {param}. Please reduce the length "
+        f"of the {param}."
+    )
+    return OpenAIError(400, message, param=param, code="context_length_exceeded")
+
+
+def _cut(text: str, end: int) -> int:
+    """``end``, moved back to just after a whitespace close before it if there is one."""
+    if end >= len(text):
+        return len(text)
+    for i in range(end - 1, max(end - _CUT_WINDOW, 0), -1):
+        if text[i].isspace():
+            return i + 1
+    return end

@@ -2,7 +2,7 @@
 
 The gateway learns its models from the coordinator's ``ClusterState``; each model's tokenizer is
 read from its root directory (a shared filesystem) the first time a request or ``/v1/models``
-needs it. Never imports torch.
+needs it (``api_extras.LazyTokenizers``). Never imports torch.
 """
 
 from __future__ import annotations
@@ -11,20 +11,18 @@ import argparse
 import contextlib
 import logging
 import socket
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from pdserve import envs
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.api_extras import LazyTokenizers
 from pdserve.gateway.app import create_app
 from pdserve.gateway.chat_template import tokenizer_loader
 from pdserve.gateway.config import GatewayConfig, add_config_args, config_from_args
 from pdserve.gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
-from pdserve.gateway.errors import OpenAIError
 from pdserve.gateway.http_limits import header_deadline_protocol
 from pdserve.gateway.zmq_backend import ZmqBackend
 
@@ -33,64 +31,6 @@ log = logging.getLogger(__name__)
 COORDINATOR_ENV = "PDSERVE_COORDINATOR"  # the coordinator's inbox address
 LOG_LEVELS = ("debug", "info", "warning", "error")
 KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this long
-
-
-class LazyTokenizers(Mapping[str, Tokenizer]):
-    """The tokenizer of every model ``roots()`` names, loaded from its root on first use.
-
-    A tokenizer that cannot be loaded is logged and answered with a 503 ``OpenAIError`` from
-    ``[]`` and ``get`` (only a ``KeyError`` means "no such model"); it is tried again after
-    ``retry_s`` or when the model's root changes. ``in`` is False for it."""
-
-    def __init__(
-        self,
-        roots: Callable[[], Mapping[str, str]],
-        load: Callable[[str], Tokenizer] = Tokenizer.from_dir,
-        *,
-        retry_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._roots = roots
-        self._load = load
-        self._retry_s = retry_s
-        self._clock = clock
-        self._loaded: dict[str, tuple[str, Tokenizer]] = {}  # name -> (root, tokenizer)
-        self._failed: dict[str, tuple[str, float, str]] = {}  # name -> (root, when, message)
-
-    def __getitem__(self, name: str) -> Tokenizer:
-        root = self._roots().get(name)
-        if root is None:
-            raise KeyError(name)
-        loaded = self._loaded.get(name)
-        if loaded is not None and loaded[0] == root:
-            return loaded[1]
-        failed = self._failed.get(name)
-        if failed is not None and failed[0] == root and self._clock() - failed[1] < self._retry_s:
-            raise OpenAIError(503, failed[2], param="model")
-        try:
-            tokenizer = self._load(root)
-        except Exception as e:
-            message = f"model `{name}` is unavailable: no tokenizer in {root}: {e}"
-            log.error("%s", message)
-            self._failed[name] = (root, self._clock(), message)
-            raise OpenAIError(503, message, param="model") from e
-        self._loaded[name] = (root, tokenizer)
-        self._failed.pop(name, None)
-        log.info("loaded the tokenizer of %s from %s", name, root)
-        return tokenizer
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            self[name]  # type: ignore[index]
-        except (KeyError, OpenAIError):
-            return False
-        return True
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._roots())
-
-    def __len__(self) -> int:
-        return len(self._roots())
 
 
 def gateway_app(backend: ZmqBackend, config: GatewayConfig | None = None) -> FastAPI:

@@ -6,16 +6,17 @@ they live in is ``gateway.prometheus``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from enum import Enum
+from enum import StrEnum
 
 from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     """How a generation request ended: the ``outcome`` label of ``pdserve_requests_total``."""
 
     SUCCESS = "success"
@@ -118,7 +119,7 @@ class ClusterMetrics:
             Histogram(
                 "pdserve_worker_kv_transfer_seconds",
                 "Time from the start of a KV push to its end (done or failed).",
-                m.TRANSFER_SECONDS_BUCKETS,
+                TRANSFER_SECONDS_BUCKETS,
                 worker,
             )
         )
@@ -146,9 +147,8 @@ class ClusterMetrics:
             metric.clear()
         for s in stats:
             labels = {"role": s.role, "worker": s.worker_id}
-            for gauge, value in zip(
-                gauges, (s.used_blocks, s.total_blocks, s.running, s.waiting), strict=True
-            ):
+            figures = (s.load.used_blocks, s.load.total_blocks, s.load.running, s.load.waiting)
+            for gauge, value in zip(gauges, figures, strict=True):
                 gauge.set(value, **labels)
             # the workers' own totals, as they last reported them
             c = s.counters

@@ -1,30 +1,53 @@
 """Request bodies of ``/v1/chat/completions`` and ``/v1/completions`` (OpenAI plus vLLM extras),
-and their conversion to ``SamplingParams``.
+and what they may not ask for (``check_supported``); ``gateway.jobs`` turns them into a ``Job``.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Known fields that would
 change the output in a way this server cannot honour (logit_bias, echo...) are refused
-with a 400 rather than silently ignored; ``gateway.request_audit`` lists vLLM's.
+with a 400 rather than silently ignored.
 
 Limits: ``n`` <= 16; 256 prompts a request; ``logprobs`` / ``top_logprobs`` <= 20; 4 stop
 strings of at most 256 characters (the stop matcher's work per token grows with their length);
 integers the wire can carry (64-bit); finite numbers; sampling ranges as ``SamplingParams``
 checks them. ``max_tokens`` is bounded by the model's context in ``jobs``.
+
+The vLLM fields this server does not honour are declared (``VllmFields``, ``VllmChatFields``),
+so that a request which sets one is refused with a 400 instead of a 200 that did something
+else. Audit of the fields vLLM accepts beyond the OpenAI ones (structured outputs and tools:
+``gateway.structured``, ``gateway.tools``):
+
+refused (400) when set to anything but their default:
+    best_of (unless 1 or equal to n)  prompt_logprobs  use_beam_search  include_stop_str_in_output
+    truncate_prompt_tokens  allowed_token_ids  bad_words  logprob_token_ids
+    logits_processors  priority (no priority scheduling)  cache_salt (no per-tenant prefix
+    cache)  kv_transfer_params (vLLM's connector API)  vllm_xargs  return_tokens_as_token_ids
+    return_token_ids  prompt_embeds;
+    chat only: echo  continue_final_message  chat_template (per request: a server chooses its
+    template with --chat-template, as vLLM without --trust-request-chat-template)  documents
+    (refused in ``check_supported`` as well: logit_bias; completions' echo and suffix)
+honoured: add_special_tokens, skip_special_tokens, min_tokens,
+    stop_token_ids, ignore_eos, top_k, min_p, repetition_penalty, stream_options.
+accepted and ignored, since they cannot change the output here:
+    user  store  metadata  service_tier  session_id  request_id (the response id is always
+    the gateway's own, unique in the cluster)  length_penalty and truncation_side (only
+    meaningful with beam search / truncation, both refused)  spaces_between_special_tokens
+    (fast tokenizers ignore it, in vLLM too)  guided_decoding_backend (the grammar engine is the
+    server's choice; the output obeys the grammar either way)  stream_interval (chunking only)
+    mm_processor_kwargs and media_io_kwargs (text-only server)  include_reasoning,
+    reasoning_effort, thinking_token_budget (no reasoning parser: output is plain content).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.gateway.errors import OpenAIError, invalid_request
-from pdserve.gateway.request_audit import VllmChatFields, VllmFields, refuse_unhonoured
-from pdserve.gateway.structured import structured_spec
-from pdserve.gateway.structured_models import StructuredFields
+from pdserve.gateway.errors import invalid_request
+from pdserve.gateway.structured import StructuredFields
 from pdserve.gateway.tools.models import ToolCalls, ToolFields
 from pdserve.gateway.tools.request import check_tools, template_tool_calls
-from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from pdserve.protocol.sampling import MAX_LOGPROBS
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts of one /v1/completions request: each is a backend request
@@ -38,36 +61,6 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """Every non-200 answer of the API."""
-
-    error: ErrorDetail
-
-
-_ERROR_STATUSES = {
-    400: "Invalid request (including a prompt or max_tokens beyond the model's context)",
-    401: "Missing or wrong API key",
-    404: "Unknown model",
-    413: "Request body too large",
-    415: "Content type is not application/json",
-    429: "Overloaded; see Retry-After",
-    500: "Internal error",
-    503: "Unavailable or draining; see Retry-After",
-    504: "The request timed out (--request-timeout) and was aborted",
-}
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": text}
-    for status, text in _ERROR_STATUSES.items()
-}
 
 
 class TextPart(_Body):
@@ -113,6 +106,70 @@ def _stop_limits(value: Any) -> Any:
         f"must be a string or a list of at most {MAX_STOP} strings, each at most "
         f"{MAX_STOP_CHARS} characters long",
     )
+
+
+# OpenAPI: the only value the server takes, so schema-driven clients and fuzzers send it.
+_OFF = {"enum": [False]}
+_UNSET = {"enum": [None]}
+_EMPTY = {"maxItems": 0}
+
+_REASONS = {
+    "prompt_logprobs": "prompt_logprobs is not supported",
+    "use_beam_search": "beam search is not supported",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported: a matched stop "
+    "string is never part of the output",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported: a prompt beyond the "
+    "context is refused instead",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "bad_words": "bad_words is not supported",
+    "logprob_token_ids": "logprob_token_ids is not supported",
+    "logits_processors": "logits_processors is not supported",
+    "priority": "priority scheduling is not supported: priority must be 0",
+    "cache_salt": "cache_salt is not supported: the prefix cache is shared by every request",
+    "kv_transfer_params": "kv_transfer_params is not supported: this server moves KV itself",
+    "vllm_xargs": "vllm_xargs is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "prompt_embeds": "prompt_embeds is not supported",
+    "echo": "echo is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "chat_template": "a chat template per request is not supported: the server's template "
+    "(--chat-template) applies",
+    "documents": "documents are not supported",
+}
+
+
+class VllmFields(_Body):
+    """vLLM extras of both generation endpoints that are refused when set."""
+
+    # schema: 1 (or left out), which any n takes; the server takes best_of == n too
+    best_of: int | None = Field(
+        None, ge=1, json_schema_extra={"enum": [1, None]}, description="accepted when equal to n"
+    )
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_UNSET)
+    use_beam_search: bool | None = Field(False, json_schema_extra=_OFF)
+    include_stop_str_in_output: bool | None = Field(False, json_schema_extra=_OFF)
+    truncate_prompt_tokens: int | None = Field(None, json_schema_extra=_UNSET)
+    allowed_token_ids: list[int] | None = Field(None, json_schema_extra=_EMPTY)
+    bad_words: list[str] | None = Field(None, json_schema_extra=_EMPTY)
+    logprob_token_ids: list[int] | None = Field(None, json_schema_extra=_EMPTY)
+    logits_processors: list[Any] | None = Field(None, json_schema_extra=_EMPTY)
+    priority: int | None = Field(0, json_schema_extra={"enum": [0, None]})
+    cache_salt: str | None = Field(None, json_schema_extra=_UNSET)
+    kv_transfer_params: dict[str, Any] | None = Field(None, json_schema_extra=_UNSET)
+    vllm_xargs: dict[str, Any] | None = Field(None, json_schema_extra=_UNSET)
+    return_tokens_as_token_ids: bool | None = Field(False, json_schema_extra=_OFF)
+    return_token_ids: bool | None = Field(False, json_schema_extra=_OFF)
+    prompt_embeds: str | list[str] | None = Field(None, json_schema_extra=_UNSET)
+
+
+class VllmChatFields(_Body):
+    """Chat-only extras that are refused when set."""
+
+    echo: bool | None = Field(False, json_schema_extra=_OFF)
+    continue_final_message: bool | None = Field(False, json_schema_extra=_OFF)
+    chat_template: str | None = Field(None, json_schema_extra=_UNSET)
+    documents: list[dict[str, Any]] | None = Field(None, json_schema_extra=_EMPTY)
 
 
 class _SamplingFields(VllmFields, StructuredFields):
@@ -209,6 +266,29 @@ class CompletionRequest(_SamplingFields):
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
 
+def _is_set(value: Any, default: Any) -> bool:
+    """Not the default nor an empty value (by identity: ``prompt_logprobs: 0`` is set)."""
+    if value is None or value is False or value == default:
+        return False
+    return not (isinstance(value, list | dict) and not value)
+
+
+def refuse_unhonoured(req: BaseModel, n: int) -> None:
+    """Raise a 400 ``OpenAIError`` naming the first field ``req`` sets that this server would
+    ignore; ``n`` is the request's choice count (``best_of`` may be 1 or repeat it)."""
+    best_of = getattr(req, "best_of", None)
+    if best_of not in (None, 1, n):
+        message = (
+            f"best_of must be 1 or equal n ({n}) when given, got {best_of}: every sampled "
+            "choice is returned, none is dropped"
+        )
+        raise invalid_request(message, "best_of")
+    fields = type(req).model_fields
+    for name, reason in _REASONS.items():
+        if name in fields and _is_set(getattr(req, name), fields[name].default):
+            raise invalid_request(reason, name)
+
+
 def check_supported(req: AnyRequest) -> None:
     """Refuse what parses but cannot be honoured; raises ``OpenAIError`` (400)."""
     refuse_unhonoured(req, req.n)
@@ -227,47 +307,3 @@ def check_supported(req: AnyRequest) -> None:
             raise invalid_request("echo is not supported", "echo")
         if req.suffix:
             raise invalid_request("suffix is not supported", "suffix")
-
-
-def sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
-    """The ``SamplingParams`` of ``req``: a field the request leaves unset keeps the type's
-    default (the one a worker would use); a value out of range is a 400 naming its field."""
-    d = _DEFAULTS
-    structured = structured_spec(req)  # its own errors name their field
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_given(req.temperature, d.temperature),
-            top_p=_given(req.top_p, d.top_p),
-            top_k=_given(req.top_k, d.top_k),
-            min_p=_given(req.min_p, d.min_p),
-            presence_penalty=_given(req.presence_penalty, d.presence_penalty),
-            frequency_penalty=_given(req.frequency_penalty, d.frequency_penalty),
-            repetition_penalty=_given(req.repetition_penalty, d.repetition_penalty),
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            min_tokens=_given(req.min_tokens, d.min_tokens),
-            logprobs=req.requested_logprobs(),
-            structured=structured,
-        )
-    except ValueError as e:
-        raise _sampling_error(str(e), req) from e
-
-
-_DEFAULTS = SamplingParams()
-T = TypeVar("T")
-
-
-def _given(value: T | None, default: T) -> T:
-    return default if value is None else value
-
-
-def _sampling_error(message: str, req: AnyRequest) -> OpenAIError:
-    param = message.split(" ", 1)[0].strip("()")
-    if param == "max_tokens" and isinstance(req, ChatCompletionRequest):
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else param
-    if param == "logprobs" and isinstance(req, ChatCompletionRequest):
-        param = "top_logprobs"
-    known = param in SamplingParams.__dataclass_fields__ or param in type(req).model_fields
-    return invalid_request(message, param if known else None)

@@ -1,6 +1,6 @@
 """One ``Job`` served (``JobRun``): submit its prompts, merge their token streams
-(``gateway.prompt_streams``), feed each choice's state machine, abort what a stop string ended,
-and account for it in the metrics (``gateway.metrics.RunMetrics``).
+(``gateway.token_streams.PromptStreams``), feed each choice's state machine, abort what a stop
+string ended, and account for it in the metrics (``gateway.metrics.RunMetrics``).
 
 A prompt's backend request is aborted when every one of its choices has ended in the gateway
 but the backend has not finished them all (a stop string matched), and whenever the consumer
@@ -33,7 +33,7 @@ from pdserve.gateway.errors import OpenAIError, request_timeout, slow_reader, st
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.logprobs import TokenTexts
 from pdserve.gateway.metrics import GatewayMetrics, Outcome, RunMetrics
-from pdserve.gateway.prompt_streams import END, PromptStreams
+from pdserve.gateway.token_streams import END, PromptStreams
 from pdserve.protocol.messages import TokenChunk
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class JobRun:
         Outcomes are counted from ``updates`` on; a refusal is counted where it is answered."""
         try:
             await asyncio.wait_for(self._submit_all(), self._remaining())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise request_timeout(self._timeout_s or 0) from None
         self._metrics.admitted(self.usage.prompt_tokens)
 

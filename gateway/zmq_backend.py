@@ -14,10 +14,10 @@ when no decode worker has room), never a 200 followed by an error event.
 
 Each request in flight has a queue; the receive loop routes its chunks and errors there and drops
 anything else (malformed frames, chunks of requests already over or aborted). Each choice's
-chunks go through a ``ChoiceOrder`` (``gateway.reorder``): the stream passes them on in index
-order, each token once, and ends once every choice has had its finished chunk *and* every token
-before it (token 0 comes from another socket than the decode worker's last chunk and may arrive
-after it).
+chunks go through a ``ChoiceOrder`` (``gateway.token_streams``): the stream passes them on in
+index order, each token once, and ends once every choice has had its finished chunk *and* every
+token before it (token 0 comes from another socket than the decode worker's last chunk and may
+arrive after it).
 
 With the coordinator gone (no ``ClusterState`` for ``state_timeout_s``), a request nothing
 has answered fails (503), and so does one that has had no message for as long: it waits on
@@ -38,9 +38,10 @@ import zmq
 import zmq.asyncio
 
 from pdserve.gateway.backend import Backend, BackendError
-from pdserve.gateway.request_stream import Pending, choice_events, until_accepted
+from pdserve.gateway.token_streams import Pending, choice_events, until_accepted
 from pdserve.protocol import messages as m
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.checks import ProtocolError
+from pdserve.protocol.codec import decode, encode
 from pdserve.runtime import security
 from pdserve.runtime.sockets import bound_address, make_socket
 

@@ -23,6 +23,7 @@ _BACKENDS = {
     "ucx": ("ucx_backend.UcxKVSender", "ucx_receiver.UcxKVReceiver"),
     "cuda_ipc": ("cuda_ipc_backend.CudaIpcKVSender", "cuda_ipc_backend.CudaIpcKVReceiver"),
     "nccl": ("nccl_backend.NcclKVSender", "nccl_backend.NcclKVReceiver"),
+    "nixl": ("nixl_backend.NixlKVSender", "nixl_receiver.NixlKVReceiver"),
 }
 
 

@@ -28,15 +28,16 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
-from pdserve.protocol.messages import KVLayout
+from pdserve.protocol.control import KVLayout, KVRegions
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "KVEndpoint",
     "KVLayout",
     "KVPoll",
     "KVReceiver",
@@ -103,7 +104,32 @@ class TransferSpec:
             raise ValueError(f"transfer {self.request_id!r}: timeout_s must be > 0")
 
 
-class KVSender(ABC):
+class KVEndpoint(ABC):
+    """What a sender and a receiver both are: closable, and, for one-sided transports (nixl),
+    a peer that publishes where its cache lives and loads its peers' (``protocol.transfer``;
+    the others publish nothing and need no peers)."""
+
+    @property
+    def regions(self) -> KVRegions | None:
+        """Where this endpoint's KV cache lives, for ``Register.kv_regions``; None: unused."""
+        return None
+
+    def update_peers(self, added: list[tuple[str, KVRegions]], gone: list[str]) -> None:
+        """Load peers' regions by worker id (replacing older ones) and forget ``gone``."""
+        del added, gone  # the two-sided transports learn their peer from each transfer
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background threads and close connections; idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVSender(KVEndpoint):
     """Pushes blocks of a local KV cache into remote receivers; any number of them."""
 
     @abstractmethod
@@ -132,18 +158,8 @@ class KVSender(ABC):
         FAILED), from whichever thread saw it (usually the sender's), so its owner can act
         before its next ``poll`` (a prefill worker is deaf for a whole prompt's step)."""
 
-    @abstractmethod
-    def close(self) -> None:
-        """Stop background threads and close connections; idempotent."""
 
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class KVReceiver(ABC):
+class KVReceiver(KVEndpoint):
     """Receives transfers into the blocks of a local KV cache (``kv_layers``, given at init)."""
 
     @property
@@ -173,13 +189,3 @@ class KVReceiver(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget a transfer; a later arrival for it is dropped, its blocks untouched."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Stop background threads and close sockets; idempotent."""
-
-    def __enter__(self) -> KVReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -31,7 +31,7 @@ from pdserve.kvtransfer.base import (
     LayoutMismatchError,
     check_layouts,
 )
-from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.checks import ProtocolError
 from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger("pdserve.kvtransfer.gpu")

@@ -29,8 +29,7 @@ from pdserve.kvtransfer import common, table
 from pdserve.kvtransfer import gpu_wire as w
 from pdserve.kvtransfer.base import KVLayout, KVPoll, KVSender, TransferError, TransferSpec
 from pdserve.kvtransfer.faults import FaultPlan
-from pdserve.kvtransfer.queued import QueuedSender
-from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.checks import ProtocolError
 from pdserve.runtime.sockets import make_socket
 
 log = logging.getLogger("pdserve.kvtransfer.gpu")
@@ -84,7 +83,7 @@ class Flight:
     keep: Any = None  # staging buffers alive until the event completes
 
 
-class GpuKVSender(QueuedSender, table.TableBacked, KVSender):
+class GpuKVSender(table.TableBackedSender, KVSender):
     backend = "gpu"
 
     def __init__(
@@ -101,7 +100,7 @@ class GpuKVSender(QueuedSender, table.TableBacked, KVSender):
         self._peers: dict[str, Peer] = {}  # sender thread only
         self._flights: dict[str, Flight] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._start_thread(f"kv-{self.backend}-sender", self._run, ctx, fault)
+        self._start_thread(f"kv-{self.backend}-sender", ctx, fault)
 
     # ---- what a backend provides -----------------------------------------------------------
     @staticmethod

@@ -27,8 +27,8 @@ import msgpack
 import torch
 
 from pdserve.kvtransfer.common import layout_of
-from pdserve.protocol.codec import ProtocolError, _check_fields, _Frames
-from pdserve.protocol.messages import KVLayout
+from pdserve.protocol.checks import Frames, ProtocolError, check_fields
+from pdserve.protocol.control import KVLayout
 
 WIRE_VERSION = 1
 
@@ -118,7 +118,7 @@ def encode(msg: Any) -> bytes:
     if tag is None:
         raise ProtocolError(f"{type(msg).__name__} is not a GPU control message")
     body = dataclasses.asdict(msg)
-    _check_fields(type(msg), body, type(msg).__name__, _Frames([b""]))
+    check_fields(type(msg), body, type(msg).__name__, Frames([b""]))
     return msgpack.packb({"type": tag, "v": WIRE_VERSION, **body}, use_bin_type=True)
 
 
@@ -137,7 +137,7 @@ def decode(frame: bytes | memoryview) -> Any:
     version = head.pop("v", None)
     if type(version) is not int or version != WIRE_VERSION:
         raise ProtocolError(f"{cls.__name__}: wire version is not {WIRE_VERSION}")
-    return _check_fields(cls, head, cls.__name__, _Frames([b""]))
+    return check_fields(cls, head, cls.__name__, Frames([b""]))
 
 
 def require(status: tuple[bool, str], backend: str) -> None:

@@ -1,22 +1,33 @@
 """The thread-safe table of a backend's transfers (request id -> state, deadline, blocks,
 secret) and what every backend builds on it: ``poll`` / ``failure_reason`` / ``release`` /
-``notify`` (``TableBacked``) and, for receivers, ``expect`` and the background thread
-(``TableBackedReceiver``)."""
+``notify`` (``TableBacked``); for receivers, ``expect`` and the background thread
+(``TableBackedReceiver``); for the threaded senders, the job queue and the background thread
+(``TableBackedSender``)::
+
+    caller thread                                   backend thread (``_run``)
+    send: table.add(rid) ─ _enqueue(job) ─wake─▶     _take_jobs() ... table.advance(rid, state)
+    poll(rid) ◀─────────── the table ─────────────  expire() past the deadline: FAILED
+"""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+import zmq
 
 from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, TransferError
 from pdserve.kvtransfer.common import check_block_ids
+from pdserve.kvtransfer.faults import FaultDice, FaultPlan
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -167,6 +178,69 @@ class TableBackedReceiver(TableBacked):
         secret = secrets.token_bytes(SECRET_BYTES)
         self._table.add(request_id, timeout_s, dst_block_ids, secret)
         return secret
+
+
+class FaultableJob(Protocol):
+    """What a queued job carries of its injected fault (kvtransfer.faults)."""
+
+    fault: str | None
+    not_before: float
+
+
+class TableBackedSender(TableBacked):
+    """What every threaded sender shares: its table, a queue of jobs the caller fills
+    (``_enqueue``: an injected fault is decided then), and one background thread running
+    ``_run`` until ``close``, woken through a socketpair. A backend sets ``_table`` and calls
+    ``_start_thread`` last in ``__init__``."""
+
+    def _start_thread(self, name: str, ctx: zmq.Context | None, fault: FaultPlan | None) -> None:
+        self._dice = FaultDice(fault) if fault is not None else None
+        self._ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _enqueue(self, job: FaultableJob) -> None:
+        """Hand a job to the sender thread, marking it with this transfer's fault, if any."""
+        if self._dice is not None and self._dice.hit():
+            job.fault = self._dice.plan.mode
+            if job.fault == "delay":
+                job.not_before = time.monotonic() + self._dice.plan.delay_s
+        self._jobs.put(job)
+        self._wake_w.send(b"\0")
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _take_jobs(self) -> list[Any]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake_w.send(b"\0")
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self._ctx.term()
 
 
 def secret_matches(entry: Entry, presented: bytes) -> bool:

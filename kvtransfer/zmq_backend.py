@@ -30,7 +30,6 @@ from pdserve.kvtransfer.base import (
     TransferSpec,
 )
 from pdserve.kvtransfer.faults import FaultPlan
-from pdserve.kvtransfer.queued import QueuedSender
 from pdserve.protocol.messages import KVHeader, ProtocolError, decode, encode
 from pdserve.runtime.sockets import bound_address, make_socket
 
@@ -50,7 +49,7 @@ class _Job:
     not_before: float = 0.0  # monotonic time it may leave (delay fault)
 
 
-class ZmqKVSender(QueuedSender, table.TableBacked, KVSender):
+class ZmqKVSender(table.TableBackedSender, KVSender):
     def __init__(
         self,
         *,
@@ -60,7 +59,7 @@ class ZmqKVSender(QueuedSender, table.TableBacked, KVSender):
     ) -> None:
         self.checksum = checksum
         self._table = table.TransferTable("zmq sender")
-        self._start_thread("kv-zmq-sender", self._run, ctx, fault)
+        self._start_thread("kv-zmq-sender", ctx, fault)
 
     def send(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> None:
         if self._stop.is_set():

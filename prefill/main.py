@@ -39,6 +39,8 @@ def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
     options = dict(ctx.transport_options)
     if args.kv_fault is not None:
         options["fault"] = args.kv_fault
+    if args.transfer_backend == "nixl":  # a one-sided transport registers its cache up front
+        options["kv_layers"] = ctx.engine.status.kv_layers
     transport = make_sender(args.transfer_backend, checksum=args.kv_checksum, **options)
     worker = PrefillWorker(
         engine=ctx.engine,

@@ -1,7 +1,7 @@
 """Prefill worker: runs prompts, streams token 0, pushes the KV into the decode worker's blocks.
 
-One record per job (prefill/record.py ``PrefillRecord``) in one table, ``records``, keyed by
-the ``ChoiceKey`` of the job's first choice; its state::
+One record per job (``PrefillRecord``: a prompt run for one choice, or once for several) in one
+table, ``records``, keyed by the ``ChoiceKey`` of the job's first choice; its state::
 
     PrefillJob ─▶ COMPUTING ─every token 0─▶ SENDING ─sender DONE/FAILED─▶ DONE (TransferDone
                    │  (chunked, in            │  push could not start:     sent, blocks released
@@ -24,20 +24,75 @@ its outbox must accept messages from the sender's thread too.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.base import KVPoll, KVSender, TransferSpec
-from pdserve.prefill.record import PrefillRecord, PrefillState
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker.base import Worker
-from pdserve.worker.wire import Outbox, TransferStats, block_bytes, choice_params, token_chunk
+from pdserve.worker.wire import (
+    Outbox,
+    PromptKey,
+    TransferStats,
+    block_bytes,
+    choice_params,
+    token_chunk,
+    transfer_id,
+)
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillState(enum.Enum):
+    """Where a job is on a prefill worker (the module docstring draws the transitions)."""
+
+    COMPUTING = "computing"  # the prompt runs in the engine (chunked); token 0s arriving
+    SENDING = "sending"  # every token 0 is out; the KV is being pushed
+    # exits: the record has left the table
+    DONE = "done"  # TransferDone sent, or every choice ended at token 0
+    FAILED = "failed"  # the push could not start
+    ABORTED = "aborted"
+
+
+@dataclass
+class PrefillRecord:
+    """One job: its choices' token 0s so far, then its transfer (started when, reported yet)."""
+
+    job: m.PrefillJob
+    state: PrefillState = PrefillState.COMPUTING
+    firsts: dict[int, RequestOutput] = field(default_factory=dict)  # token 0s, by choice
+    done: m.TransferDone | None = None  # what the coordinator is told when the push ends
+    transfer_started: float = 0.0  # time.monotonic() when the push began
+    reported: bool = False  # ``done`` has gone out (from either thread)
+    # the engine ids of its choices, from the job's first choice on
+    group: tuple[ChoiceKey, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = self.job.choice
+        members = range(first, first + max(self.job.choices, 1))
+        self.group = tuple(ChoiceKey(self.job.request_id, c) for c in members)
+
+    @property
+    def key(self) -> ChoiceKey:
+        return self.group[0]
+
+    @property
+    def held_id(self) -> ChoiceKey | PromptKey:
+        """The engine id whose KV is held for the transfer: the choice's, or the prompt's
+        that its choices share."""
+        if self.job.choices > 1:
+            return PromptKey(self.job.request_id, self.job.choice)
+        return self.key
+
+    @property
+    def transfer_id(self) -> str:
+        return transfer_id(self.key)
 
 
 class PrefillWorker(Worker[PrefillRecord]):
@@ -148,7 +203,8 @@ class PrefillWorker(Worker[PrefillRecord]):
         for c, o in zip(choices, outs, strict=True):
             # a choice ends at token 0 if it stopped (or its constraint failed), or if it only
             # wanted one token
-            ends = o.finish_reason in ("stop", "abort") or job.sampling.max_tokens == 1
+            stopped = o.finish_reason in (m.FinishReason.STOP, m.FinishReason.ABORT)
+            ends = stopped or job.sampling.max_tokens == 1
             reason = o.finish_reason if ends else None
             key = ChoiceKey(job.request_id, c)
             self.tokens.add(job.stream_address, token_chunk(key, o, 0, o.new_token_ids[:1], reason))

@@ -1,9 +1,11 @@
-"""Every message that crosses a process boundary (the codec is in ``protocol.codec``).
+"""The messages of a request's lifecycle, and the cluster's state as gateways see it (the
+codec is in ``protocol.codec``; what workers say of themselves, in ``protocol.control``).
 
 Who sends what::
 
-    worker      ── Register, Heartbeat, KVEvents ────────────────▶ coordinator
-    gateway     ── Generate, Abort ──────────────────────────────▶ coordinator
+    worker      ── Register, Heartbeat, KVEvents (protocol.control) ─▶ coordinator
+    gateway     ── Generate, Abort; GatewayHello ───────────────────▶ coordinator
+    coordinator ── ClusterState (models, each worker's WorkerStatus) ─▶ gateway
     coordinator ── Reserve ─▶ decode ── Reserved ────────────────▶ coordinator
     coordinator ── PrefillJob ─▶ prefill ── TransferDone ─▶ coordinator ─▶ decode
     coordinator ── Accepted (a choice has its workers), RequestError ─▶ gateway
@@ -14,38 +16,37 @@ Who sends what::
     kv sender   ── KVHeader + one raw frame per layer ───────────▶ kv receiver
 
 To add a message: a frozen dataclass with ``@message("<tag>")`` above ``@dataclass``; fields
-may be int, float, str, bool, bytes, ``X | None``, ``Literal[...]``, list/tuple/dict of
-those, or a nested (unregistered) frozen dataclass; one that checks its values in
-``__post_init__`` (``SamplingParams``) raises ``ValueError``, which decode reports as a
-``ProtocolError``. Bump ``PROTOCOL_VERSION`` when an existing message changes. A type with more
-than three fields is built by keyword (``kw_only``): nine arguments by position are unreadable.
+may be int, float, str, bool, bytes, an ``Enum``, ``X | None``, ``Literal[...]``,
+list/tuple/dict of those, or a nested (unregistered) frozen dataclass; one that checks its
+values in ``__post_init__`` (``SamplingParams``) raises ``ValueError``, which decode reports as
+a ``ProtocolError``. Bump ``PROTOCOL_VERSION`` when an existing message changes. A type with
+more than three fields is built by keyword (``kw_only``): nine arguments by position are
+unreadable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from enum import StrEnum
 
-from pdserve.protocol.codec import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message
+from pdserve.protocol.checks import ProtocolError
+from pdserve.protocol.codec import PROTOCOL_VERSION, Message, decode, encode, message
+from pdserve.protocol.control import Role, WorkerCounters, WorkerLoad
 from pdserve.protocol.sampling import SamplingParams, StructuredSpec
 
-__all__ = [
+__all__ = [  # its own types, and the codec and sampling names its users read through it
     "PROTOCOL_VERSION",
-    "TRANSFER_SECONDS_BUCKETS",
     "Abort",
     "Accepted",
     "ClusterState",
+    "FinishReason",
     "Finished",
     "GatewayHello",
     "Generate",
-    "Heartbeat",
-    "KVEvents",
     "KVHeader",
-    "KVLayout",
     "Message",
     "PrefillJob",
     "ProtocolError",
-    "Register",
     "RequestError",
     "Reserve",
     "Reserved",
@@ -56,27 +57,12 @@ __all__ = [
     "TokenChunk",
     "TokenLogprob",
     "TransferDone",
-    "WorkerCounters",
     "WorkerStatus",
     "decode",
     "encode",
 ]
 
-Role = Literal["prefill", "decode", "both"]
-
-
 # ---- nested parts ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class KVLayout:
-    """What two workers must agree on to exchange KV blocks (``kvtransfer.check_layouts``)."""
-
-    block_size: int
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,75 +74,6 @@ class TokenLogprob:
     logprob: float
     rank: int  # 1 = most likely
     top: list[tuple[int, float]]  # (token id, logprob) alternatives, most likely first
-
-
-# ---- worker registry -------------------------------------------------------------------------
-
-
-@message("register")
-@dataclass(frozen=True, kw_only=True)
-class Register(Message):
-    role: Role
-    worker_id: str
-    model: str
-    control_address: str  # where the coordinator sends Reserve / PrefillJob / Abort
-    transfer_address: str  # KV receiver address ("" for a prefill-only worker)
-    transfer_backend: str  # "zmq" | "ucx" | ...; paired workers must use the same one
-    layout: KVLayout
-    num_blocks: int
-    model_root: str = ""  # where the weights live (``root`` in /v1/models)
-    max_model_len: int = 0
-
-
-# upper bounds (seconds) of the KV-transfer-time histogram a worker reports, then +Inf
-TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerCounters:
-    """A worker's totals since it started (``Heartbeat`` → ``ClusterState`` → ``/metrics``)."""
-
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV its prefix cache already held
-    prefill_tokens: int = 0  # tokens it computed in prompt chunks (recomputation included)
-    kv_blocks_sent: int = 0  # KV blocks it pushed to decode workers
-    kv_bytes_sent: int = 0
-    transfer_seconds_sum: float = 0.0
-    # pushes that ended (done or failed) by time taken: one count per
-    # ``TRANSFER_SECONDS_BUCKETS`` bound and one past the last (not cumulative); empty: none
-    transfer_seconds_counts: list[int] = field(default_factory=list)
-
-
-@message("heartbeat")
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat(Message):
-    worker_id: str
-    free_blocks: int
-    used_blocks: int
-    total_blocks: int
-    running: int
-    waiting: int
-    queued_prompt_tokens: int
-    draining: bool = False  # finishing what it has, taking nothing new (SIGTERM)
-    counters: WorkerCounters = field(default_factory=WorkerCounters)
-
-
-@message("kv_events")
-@dataclass(frozen=True, kw_only=True)
-class KVEvents(Message):
-    """Worker → coordinator, beside each heartbeat: the prefix-cache block hashes
-    (``protocol.prefix``) it stored and evicted since its last message, at most
-    ``MAX_KV_EVENT_HASHES`` a message; or, with ``snapshot``, every hash it holds, in ``parts``
-    messages sent back to back (at its start, now and then after, and when its log of changes
-    overflowed), which replace what the coordinator knew of it."""
-
-    worker_id: str
-    epoch: str  # random per worker process: a new one means the worker restarted
-    seq: int  # consecutive within an epoch: a gap means messages were lost
-    stored: list[int]
-    evicted: list[int] = field(default_factory=list)
-    snapshot: bool = False
-    part: int = 0  # of a snapshot: this message's index among ``parts``
-    parts: int = 1
 
 
 # ---- gateways -------------------------------------------------------------------------------
@@ -180,13 +97,12 @@ class ServedModel:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerStatus:
+    """One worker, as the coordinator last heard of it (``/metrics`` shows it)."""
+
     role: Role
     worker_id: str
     model: str
-    used_blocks: int
-    total_blocks: int
-    running: int
-    waiting: int
+    load: WorkerLoad
     counters: WorkerCounters = field(default_factory=WorkerCounters)
 
 
@@ -287,6 +203,16 @@ class TransferDone(Message):
     ended: list[int] = field(default_factory=list)  # choices token 0 ended (not to decode)
 
 
+class FinishReason(StrEnum):
+    """Why a choice ended: ``STOP`` (an eos or stop token), ``LENGTH`` (``max_tokens`` or the
+    model's length), ``ABORT`` (cancelled, or failed). A ``str``: it goes on the wire and into
+    OpenAI's ``finish_reason`` as its value."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TokenChunk:
     """New tokens of one choice; ``index`` is the position of ``token_ids[0]`` in the output."""
@@ -297,7 +223,7 @@ class TokenChunk:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    finish_reason: FinishReason | None  # when finished
     num_prompt_tokens: int
     num_cached_tokens: int
 
@@ -364,6 +290,7 @@ class KVHeader(Message):
 
     request_id: str
     dst_block_ids: list[int]
+    src_block_ids: list[int] = field(default_factory=list)  # pull transports read these
     num_layers: int
     dtype: str
     block_shape: list[int]  # [2, block_size, num_kv_heads, head_dim]

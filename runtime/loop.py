@@ -1,4 +1,5 @@
-"""The socket side of every role: an outbox of PUSH sockets and the recv → step → send loop.
+"""The socket side of every role: an outbox of PUSH sockets and the recv → step → send loop
+(and ``RateLimitedLog``, for what a role refuses from its peers).
 
 Roles keep their logic in a socket-free class (``handle(msg)``, ``step()``); this module owns
 the sockets around it, so tests can step the class alone. A worker's heartbeats go out from
@@ -97,6 +98,24 @@ class PushOutbox:
             for sock in self._socks.values():
                 sock.close()
             self._socks.clear()
+
+
+class RateLimitedLog:
+    """One line per key every ``interval_s``: a peer repeating a refused message each second
+    must not flood the log."""
+
+    def __init__(self, interval_s: float = 30.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+
+    def error(self, key: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, float("-inf")) < self.interval_s:
+            return
+        if len(self._last) > 4096:
+            self._last.clear()
+        self._last[key] = now
+        log.error(fmt, *args)
 
 
 def stop_on_signals() -> threading.Event:

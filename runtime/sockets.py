@@ -14,7 +14,8 @@ from typing import TypeVar
 
 import zmq
 
-from pdserve.protocol.codec import Message, ProtocolError, decode, encode
+from pdserve.protocol.checks import ProtocolError
+from pdserve.protocol.codec import Message, decode, encode
 from pdserve.runtime.security import security_of
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,12 @@ from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.kvtransfer import make_receiver, make_sender
+from pdserve.kvtransfer.base import KVReceiver, KVSender
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import Register
+from pdserve.protocol.transfer import KVPeers
 from pdserve.worker.wire import heartbeat, kv_layout
 
 
@@ -69,12 +72,14 @@ class Cluster:
         self.kv_events: dict[str, KVEventPublisher] = {}  # sent by ``heartbeats``
         for i, engine in enumerate(engines_p):
             wid = f"p{i}"
-            options = {"fault": fault} if fault is not None else {}
+            options: dict[str, Any] = {"fault": fault} if fault is not None else {}
+            if backend == "nixl":  # a one-sided transport registers the cache up front
+                options["kv_layers"] = engine.runner.kv_cache.layers
             sender = make_sender(backend, checksum=True, **options)
             self.workers[wid] = PrefillWorker(
                 engine, sender, wid, self.bus.outbox(), transfer_timeout_s
             )
-            self._register(wid, "prefill", engine, "")
+            self._register(wid, "prefill", engine, "", sender)
         for i, engine in enumerate(engines_d):
             wid = f"d{i}"
             receiver = (
@@ -85,14 +90,20 @@ class Cluster:
             self.workers[wid] = DecodeWorker(
                 engine, receiver, wid, self.bus.outbox(), transfer_timeout_s, policy
             )
-            self._register(
-                wid, "both" if colocated else "decode", engine, receiver.address if receiver else ""
-            )
+            address = receiver.address if receiver else ""
+            self._register(wid, "both" if colocated else "decode", engine, address, receiver)
 
-    def _register(self, wid: str, role: str, engine: LLMEngine, transfer: str) -> None:
+    def _register(
+        self,
+        wid: str,
+        role: str,
+        engine: LLMEngine,
+        transfer: str,
+        transport: KVSender | KVReceiver | None,
+    ) -> None:
         self.kv_events[wid] = KVEventPublisher(engine.block_manager, wid)
         self.coordinator.handle(
-            m.Register(
+            Register(
                 role=role,
                 worker_id=wid,
                 model="tiny",
@@ -103,6 +114,7 @@ class Cluster:
                 num_blocks=engine.block_manager.num_blocks,
                 model_root="/models/tiny",
                 max_model_len=engine.max_model_len,
+                kv_regions=None if transport is None else transport.regions,
             ),
             time.monotonic(),
         )
@@ -133,8 +145,16 @@ class Cluster:
         dest, msg = self.bus.queue.popleft()
         if dest == "coordinator":
             self.coordinator.handle(msg, time.monotonic())
+        elif isinstance(msg, KVPeers):  # as worker.process does: the transport's, not the worker's
+            transport = self.transport(dest)
+            if transport is not None:
+                transport.update_peers([(p.worker_id, p.regions) for p in msg.added], msg.gone)
         else:
             self.workers[dest].handle(msg)
+
+    def transport(self, wid: str) -> KVSender | KVReceiver | None:
+        w = self.workers[wid]
+        return w.sender if isinstance(w, PrefillWorker) else w.receiver
 
     def pump_round(self) -> bool:
         """Deliver every queued message, step every worker once; whether anything happened."""
@@ -200,7 +220,7 @@ class Cluster:
         return {wid: w.engine.block_manager.num_used_blocks for wid, w in self.workers.items()}
 
     def close(self) -> None:
-        for w in self.workers.values():
-            transport = w.sender if isinstance(w, PrefillWorker) else w.receiver
+        for wid in self.workers:
+            transport = self.transport(wid)
             if transport is not None:
                 transport.close()

@@ -29,7 +29,7 @@ from pdserve.gateway.app import create_app
 from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.gateway.token_streams import ChoiceOrder
 from pdserve.protocol import messages as m
 from pdserve.protocol.codec import encode
 from pdserve.runtime.sockets import bound_address, make_socket, recv_msg

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.decode.record import DecodeState
 from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
-from pdserve.prefill.record import PrefillState
+from pdserve.prefill.worker import PrefillState
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 from tests.cluster_util import Cluster

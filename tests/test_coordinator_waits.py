@@ -10,8 +10,9 @@ import pytest
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.routes import RouteState
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import Heartbeat, KVLayout, Register, WorkerLoad
 
-LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+LAYOUT = KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
 SPEC = m.SamplingParams(max_tokens=4)
 
 
@@ -41,7 +42,7 @@ def cluster(decode: dict[str, int], prefill: tuple[str, ...] = ("p0",)) -> tuple
     c = Coordinator(out, heartbeat_timeout_s=1e9, reserve_timeout_s=5, prefill_timeout_s=50)
     for wid, blocks in decode.items():
         c.handle(
-            m.Register(
+            Register(
                 role="decode",
                 worker_id=wid,
                 model="tiny",
@@ -55,7 +56,7 @@ def cluster(decode: dict[str, int], prefill: tuple[str, ...] = ("p0",)) -> tuple
         )
     for wid in prefill:
         c.handle(
-            m.Register(
+            Register(
                 role="prefill",
                 worker_id=wid,
                 model="tiny",
@@ -139,15 +140,7 @@ def test_a_refused_reservation_tries_another_decode_worker_then_waits() -> None:
     assert out.gateway == [] and c.routes[("r", 0)].state is RouteState.QUEUED
     # blocks come back (a heartbeat says so): the oldest waiting choice is placed
     c.handle(
-        m.Heartbeat(
-            worker_id="d1",
-            free_blocks=32,
-            used_blocks=0,
-            total_blocks=32,
-            running=0,
-            waiting=0,
-            queued_prompt_tokens=0,
-        ),
+        Heartbeat(worker_id="d1", load=WorkerLoad.idle(32)),
         1.0,
     )
     assert [w for w, _ in out.take(m.Reserve)] == ["d1"]
@@ -207,7 +200,7 @@ def test_the_free_block_estimate_follows_every_answer() -> None:
 def test_a_request_that_can_never_fit_is_a_400(prompt_len, max_tokens, what) -> None:
     out = Outbox()
     c = Coordinator(out)
-    reg = m.Register(
+    reg = Register(
         role="decode",
         worker_id="d0",
         model="tiny",
@@ -221,7 +214,7 @@ def test_a_request_that_can_never_fit_is_a_400(prompt_len, max_tokens, what) -> 
     )
     c.handle(reg, 0.0)
     c.handle(
-        m.Register(
+        Register(
             role="prefill",
             worker_id="p0",
             model="tiny",

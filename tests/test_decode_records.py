@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.decode.record import DecodeState
 from pdserve.decode.worker import DecodeWorker
-from pdserve.engine.sequence import SequenceStatus
+from pdserve.engine.scheduler import SequenceStatus
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 from tests.engine_util import make_engine, prompts

@@ -19,6 +19,7 @@ import zmq
 
 from pdserve.protocol import messages as m
 from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.control import Heartbeat, KVLayout, Register, WorkerLoad
 from pdserve.worker.wire import kv_layout
 from tests.e2e_util import ServedCluster
 from tests.engine_util import make_engine
@@ -42,14 +43,14 @@ class BlackHole(threading.Thread):
     """A decode worker that registers and heartbeats (more free blocks than anyone) and
     never answers: every Reserve it gets is counted and dropped."""
 
-    def __init__(self, coordinator: str, model: str, layout: m.KVLayout) -> None:
+    def __init__(self, coordinator: str, model: str, layout: KVLayout) -> None:
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(coordinator)
         self.pull = self.ctx.socket(zmq.PULL)
         port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-        self.register = m.Register(
+        self.register = Register(
             role="decode",
             worker_id="blackhole",
             model=model,
@@ -65,15 +66,7 @@ class BlackHole(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        beat = m.Heartbeat(
-            worker_id="blackhole",
-            free_blocks=100_000,
-            used_blocks=0,
-            total_blocks=100_000,
-            running=0,
-            waiting=0,
-            queued_prompt_tokens=0,
-        )
+        beat = Heartbeat(worker_id="blackhole", load=WorkerLoad.idle(100_000))
         while not self.stop.is_set():
             self.push.send_multipart(encode(self.register))
             self.push.send_multipart(encode(beat))

@@ -191,9 +191,10 @@ def aborted_count(c: ServedCluster) -> float:
     [
         ("--prefill=2", "--decode=2"),
         ("--transfer-backend=ucx",),
+        ("--prefill=2", "--decode=2", "--transfer-backend=nixl"),
         ("--mode=colocated", "--pin"),
     ],
-    ids=["2P2D-zmq", "1P1D-ucx", "colocated-pinned-via-local.sh"],
+    ids=["2P2D-zmq", "1P1D-ucx", "2P2D-nixl", "colocated-pinned-via-local.sh"],
 )
 def test_cluster_shapes_give_the_same_tokens(tiny_dir, flags) -> None:
     if "--transfer-backend=ucx" in flags:

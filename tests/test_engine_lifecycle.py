@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.engine.config import ConfigError
 from pdserve.engine.loader import ModelLoadError
+from pdserve.protocol.messages import FinishReason
 from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import greedy, hf_greedy, make_engine, prompts, run_all
 
@@ -34,6 +35,7 @@ def test_abort_in_every_state_frees_blocks(tiny_dir) -> None:
         "short": "abort",
         "queued": "abort",
     }
+    assert all(o.finish_reason is FinishReason.ABORT for o in outs)  # the Enum, not a str
     assert all(o.finished for o in outs)
     assert engine.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished()

@@ -1,5 +1,6 @@
-"""What a worker reads of its engine (engine/status.py): exact block and queue figures as a
-chunked prompt and a short one go from waiting to decoding, and a repeated prompt's cache hit."""
+"""What a worker reads of its engine (``EngineStatus``, engine/engine.py): exact block and queue
+figures as a chunked prompt and a short one go from waiting to decoding, and a repeated
+prompt's cache hit."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine.block_manager import block_hashes
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.scheduler import Sequence
 from tests.conftest import ARCHS
 from tests.engine_util import (
     greedy,

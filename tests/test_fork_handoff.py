@@ -108,6 +108,8 @@ def test_choices_ending_at_token0_free_their_blocks_at_once(tiny_dir) -> None:
     assert refs(decode, range(5)) == [1, 1, 1, 0, 0]
     out = {o.request_id: o for o in decode.step()}
     assert (out["b"].finish_reason, out["c"].finish_reason) == ("stop", "length")
+    assert out["b"].finish_reason is m.FinishReason.STOP
+    assert out["c"].finish_reason is m.FinishReason.LENGTH
     run_all(decode)
     assert decode.block_manager.num_used_blocks == 0
 

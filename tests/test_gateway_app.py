@@ -17,6 +17,7 @@ import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.app import create_app
+from pdserve.protocol.control import WorkerLoad
 from pdserve.protocol.messages import WorkerStatus
 from pdserve.protocol.sampling import SamplingParams
 from tests.gateway_util import (
@@ -417,8 +418,9 @@ def test_metrics_endpoint(tokenizers: dict[str, Tokenizer]) -> None:
     tok = tokenizers["tiny-llama"]
     backend = FakeBackend(MODELS, script_for(tok, "ok"))
     backend.stats = [
-        WorkerStatus(role="decode", worker_id="d0", model="tiny-llama", used_blocks=5,
-                     total_blocks=64, running=1, waiting=0)
+        WorkerStatus(role="decode", worker_id="d0", model="tiny-llama",
+                     load=WorkerLoad(free_blocks=59, used_blocks=5, total_blocks=64, running=1,
+                                     waiting=0, queued_prompt_tokens=0))
     ]  # fmt: skip
     with running_server(create_app(backend, tokenizers)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -447,8 +449,8 @@ def test_metrics_endpoint(tokenizers: dict[str, Tokenizer]) -> None:
 
 
 def test_gateway_does_not_import_torch() -> None:
-    modules = ["app", "backend", "choices", "detokenizer", "errors", "run", "prompt_streams"]
-    modules += ["jobs", "logprobs", "metrics", "prometheus", "openai_models", "stop", "stream"]
+    modules = ["app", "backend", "choices", "errors", "run", "token_streams", "structured"]
+    modules += ["jobs", "logprobs", "metrics", "prometheus", "openai_models", "responses"]
     modules += ["admission", "config", "drain"]
     imports = "; ".join(f"import pdserve.gateway.{m}" for m in modules)
     code = f"import sys; {imports}; print('torch' in sys.modules)"

@@ -16,9 +16,8 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import OpenAIError
-from pdserve.gateway.jobs import prepare_completion
+from pdserve.gateway.jobs import CHUNK_CHARS, check_prompt_size, prepare_completion
 from pdserve.gateway.openai_models import CompletionRequest
-from pdserve.gateway.prompt_guard import CHUNK_CHARS, check_prompt_size
 from pdserve.gateway.run import JobRun
 from tests.gateway_util import COMPLETION, MODELS, FakeBackend, Script, Serve, error
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.choices import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world",

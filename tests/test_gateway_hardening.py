@@ -16,8 +16,8 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.drain import shutdown_error
 from pdserve.gateway.jobs import prepare_completion
 from pdserve.gateway.openai_models import CompletionRequest
+from pdserve.gateway.responses import stream_events
 from pdserve.gateway.run import JobRun
-from pdserve.gateway.stream import stream_events
 from tests.gateway_util import (
     COMPLETION,
     MODELS,

@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.protocol.control import WorkerLoad
 from pdserve.protocol.messages import WorkerStatus
 from tests.gateway_util import parse_prometheus
 
@@ -63,10 +64,12 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
     m.prompt_tokens.inc(12)
     m.generation_tokens.inc(30)
     workers = [
-        WorkerStatus(role="prefill", worker_id="p0", model="tiny", used_blocks=10,
-                     total_blocks=100, running=1, waiting=2),
-        WorkerStatus(role="decode", worker_id="d0", model="tiny", used_blocks=50,
-                     total_blocks=200, running=7, waiting=0),
+        WorkerStatus(role="prefill", worker_id="p0", model="tiny",
+                     load=WorkerLoad(free_blocks=90, used_blocks=10, total_blocks=100, running=1,
+                                     waiting=2, queued_prompt_tokens=0)),
+        WorkerStatus(role="decode", worker_id="d0", model="tiny",
+                     load=WorkerLoad(free_blocks=150, used_blocks=50, total_blocks=200, running=7,
+                                     waiting=0, queued_prompt_tokens=0)),
     ]  # fmt: skip
     families = parse_prometheus(m.render(workers, {"disaggregated": 3, "local_short_prompt": 2}))
     assert {n: k for n, (k, _) in families.items()} == {

@@ -1,6 +1,6 @@
 """The backends' contract: each choice's chunks in index order, every token once, one final chunk
-(``gateway.reorder``), through the fake backend and the ZMQ client; and one SSE event per token
-unless the reader falls behind the stream."""
+(``gateway.token_streams.ChoiceOrder``), through the fake backend and the ZMQ client; and one SSE
+event per token unless the reader falls behind the stream."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.jobs import Job
-from pdserve.gateway.reorder import ChoiceOrder
+from pdserve.gateway.responses import stream_events
 from pdserve.gateway.run import JobRun
-from pdserve.gateway.stream import stream_events
+from pdserve.gateway.token_streams import ChoiceOrder
 from pdserve.gateway.zmq_backend import ZmqBackend
 from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams

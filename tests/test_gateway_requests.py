@@ -10,12 +10,11 @@ from pydantic import ValidationError
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.errors import OpenAIError, error_param, from_validation, model_not_found
-from pdserve.gateway.jobs import prepare_chat, prepare_completion
+from pdserve.gateway.jobs import prepare_chat, prepare_completion, sampling_params
 from pdserve.gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     check_supported,
-    sampling_params,
 )
 from pdserve.protocol.sampling import SamplingParams
 from tests.gateway_util import served_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pdserve.gateway.stop import StopMatcher
+from pdserve.gateway.choices import StopMatcher
 
 
 def test_no_stops_passes_text_through() -> None:

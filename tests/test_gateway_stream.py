@@ -13,8 +13,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.choices import ChoiceUpdate
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.run import JobRun, Usage
-from pdserve.gateway.stream import (
+from pdserve.gateway.responses import (
     ChoiceResult,
     ChunkEvents,
     chunk_body,
@@ -25,6 +24,7 @@ from pdserve.gateway.stream import (
     stream_events,
     usage_body,
 )
+from pdserve.gateway.run import JobRun, Usage
 from pdserve.protocol.sampling import SamplingParams
 from tests.gateway_util import FakeBackend, Script, generate
 

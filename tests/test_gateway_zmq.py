@@ -28,10 +28,12 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.backend import BackendError
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.main import COORDINATOR_ENV, add_gateway_args, gateway_app, http_socket
-from pdserve.gateway.request_stream import check_finish
+from pdserve.gateway.token_streams import check_finish
 from pdserve.gateway.zmq_backend import ZmqBackend
 from pdserve.protocol import messages as m
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.checks import ProtocolError
+from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.control import WorkerLoad
 from pdserve.runtime.sockets import make_socket
 from tests.gateway_util import (
     ClusterScript,
@@ -52,19 +54,27 @@ WORKERS = [
         role="prefill",
         worker_id="p0",
         model="tiny",
-        used_blocks=3,
-        total_blocks=64,
-        running=1,
-        waiting=2,
+        load=WorkerLoad(
+            free_blocks=61,
+            used_blocks=3,
+            total_blocks=64,
+            running=1,
+            waiting=2,
+            queued_prompt_tokens=0,
+        ),
     ),
     m.WorkerStatus(
         role="decode",
         worker_id="d0",
         model="tiny",
-        used_blocks=10,
-        total_blocks=128,
-        running=2,
-        waiting=0,
+        load=WorkerLoad(
+            free_blocks=118,
+            used_blocks=10,
+            total_blocks=128,
+            running=2,
+            waiting=0,
+            queued_prompt_tokens=0,
+        ),
     ),
 ]
 

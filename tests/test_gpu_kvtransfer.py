@@ -20,8 +20,8 @@ from pdserve.kvtransfer.cuda_ipc_backend import block_runs, copy_blocks
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.gpu_receiver import GpuKVReceiver
 from pdserve.kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
-from pdserve.protocol.codec import ProtocolError
-from pdserve.protocol.messages import KVLayout
+from pdserve.protocol.checks import ProtocolError
+from pdserve.protocol.control import KVLayout
 from tests.gateway_util import wait_for
 
 # the transfer secret each receiver returned from ``expect``, by request id

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.messages import FinishReason
 from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import greedy, hf_greedy, make_engine, prompts, run_all
 
@@ -67,6 +68,7 @@ def test_first_token_that_finishes_is_reported_and_freed(tiny_dir) -> None:
     decode.handoff.add_prefilled("r", [1, 2, 3, 4], 9, greedy(1))
     [out] = decode.step()
     assert out.finished and out.finish_reason == "length" and out.new_token_ids == []
+    assert out.finish_reason is FinishReason.LENGTH
     assert decode.block_manager.num_used_blocks == 0
 
 

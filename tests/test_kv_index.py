@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-from pdserve.coordinator.kv_index import KVIndex
+from pdserve.coordinator.kv_index import KVIndex, kv_events_problem
 from pdserve.coordinator.registry import WorkerRegistry
-from pdserve.coordinator.trust import kv_events_problem
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_events import KVEventPublisher
-from pdserve.protocol import messages as m
+from pdserve.protocol.control import KVEvents, KVLayout, Register
 from pdserve.protocol.prefix import MAX_KV_EVENT_HASHES, block_hashes, cacheable_hashes
 from tests.test_block_manager import Seq, run
 
@@ -93,8 +92,8 @@ def test_a_change_log_past_its_bound_becomes_a_snapshot() -> None:
     assert all(p.snapshot for p in parts) and {h for p in parts for h in p.stored} == set(bm.cached)
 
 
-def events(seq: int, stored=(), evicted=(), epoch="e1", **kw) -> m.KVEvents:
-    return m.KVEvents(
+def events(seq: int, stored=(), evicted=(), epoch="e1", **kw) -> KVEvents:
+    return KVEvents(
         worker_id="p0", epoch=epoch, seq=seq, stored=list(stored), evicted=list(evicted), **kw
     )
 
@@ -103,7 +102,7 @@ def test_index_prefix_runs_stop_at_the_first_missing_block() -> None:
     index = KVIndex()
     ha, hb = hashes(A), hashes(B)
     index.apply(events(0, [ha[0], ha[1], ha[2]]), 64)
-    index.apply(m.KVEvents(worker_id="p1", epoch="x", seq=0, stored=[ha[0], ha[2], hb[0]]), 64)
+    index.apply(KVEvents(worker_id="p1", epoch="x", seq=0, stored=[ha[0], ha[2], hb[0]]), 64)
     assert index.prefix_blocks(ha, ["p0", "p1", "p2"]) == {"p0": 3, "p1": 1, "p2": 0}
     assert index.prefix_blocks(hb, ["p0", "p1"]) == {"p0": 0, "p1": 1}
     index.apply(events(1, evicted=[ha[1]]), 64)
@@ -161,14 +160,14 @@ def test_index_never_believes_more_blocks_than_registered() -> None:
         (events(0, part=1, parts=2), "outside a snapshot"),
     ],
 )
-def test_malformed_kv_events_are_refused(msg: m.KVEvents, problem: str) -> None:
+def test_malformed_kv_events_are_refused(msg: KVEvents, problem: str) -> None:
     assert problem in kv_events_problem(msg, 2 * MAX_KV_EVENT_HASHES)
 
 
 def test_registry_takes_events_only_from_the_registered_worker() -> None:
     reg = WorkerRegistry()
-    layout = m.KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
-    info = m.Register(
+    layout = KVLayout(block_size=4, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    info = Register(
         role="prefill",
         worker_id="p0",
         model="tiny",
@@ -187,7 +186,7 @@ def test_registry_takes_events_only_from_the_registered_worker() -> None:
     reg.kv_events(events(0, ha))
     assert reg.kv.held["p0"] == set(ha)
     reg.kv_events(
-        m.KVEvents(worker_id="p9", epoch="e", seq=0, stored=ha)
+        KVEvents(worker_id="p9", epoch="e", seq=0, stored=ha)
     )  # never registered: ignored
     assert "p9" not in reg.kv.held
     reg.register(info, time.monotonic())  # the keep-alive: nothing forgotten

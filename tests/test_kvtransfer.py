@@ -330,9 +330,9 @@ def test_transfer_spec_and_factory_errors() -> None:
     with pytest.raises(ValueError) as info:
         make_sender("rdma")
     assert str(info.value) == (
-        "unknown KV transfer backend 'rdma'; available: cuda_ipc, host, nccl, ucx, zmq"
+        "unknown KV transfer backend 'rdma'; available: cuda_ipc, host, nccl, nixl, ucx, zmq"
     )
-    assert backends() == ["cuda_ipc", "host", "nccl", "ucx", "zmq"]
+    assert backends() == ["cuda_ipc", "host", "nccl", "nixl", "ucx", "zmq"]
     with make_sender("host") as sender:
         assert type(sender).__name__ == "ZmqKVSender"
 

@@ -15,12 +15,13 @@ import pytest
 import zmq
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import Heartbeat, KVLayout, Register, WorkerLoad
 from pdserve.runtime.liveness import Liveness
 from pdserve.runtime.loop import PushOutbox, serve
 from pdserve.runtime.sockets import bound_address, make_socket, recv_msg
 
-LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
-REGISTER = m.Register(
+LAYOUT = KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
+REGISTER = Register(
     role="both",
     worker_id="w0",
     model="tiny",
@@ -34,9 +35,8 @@ PERIOD_S = 0.05
 WAIT_S = 60.0  # a bound on every wait below, never a reason for one to pass
 
 
-def status(running: int, draining: bool = False) -> m.Heartbeat:
-    return m.Heartbeat(
-        worker_id="w0",
+def status(running: int, draining: bool = False) -> Heartbeat:
+    load = WorkerLoad(
         free_blocks=100,
         used_blocks=28,
         total_blocks=128,
@@ -45,6 +45,7 @@ def status(running: int, draining: bool = False) -> m.Heartbeat:
         queued_prompt_tokens=0,
         draining=draining,
     )
+    return Heartbeat(worker_id="w0", load=load)
 
 
 # ---- the schedule, on a fake clock -----------------------------------------------------------
@@ -201,15 +202,15 @@ def test_keepalives_arrive_while_a_step_runs_far_past_the_period(rig) -> None:
     r.thread.start()
     assert r.worker.in_long_step.wait(WAIT_S)
     # five periods into one step, five keep-alives sent during it have reached the coordinator
-    r.receive_until(lambda r: r.arrived_during_step(m.Register) >= 5)
+    r.receive_until(lambda r: r.arrived_during_step(Register) >= 5)
     assert not r.worker.release.is_set()
-    heartbeats = [msg for _, msg in r.sends if isinstance(msg, m.Heartbeat)]
+    heartbeats = [msg for _, msg in r.sends if isinstance(msg, Heartbeat)]
     assert heartbeats == [status(1)]  # the status from before the step, sent once
     r.worker.release.set()
     # the loop comes round: a fresh status at once; then a stop drains and says so at once
     r.receive_until(lambda r: status(2) in r.received)
     r.stop.set()
-    r.receive_until(lambda r: any(getattr(x, "draining", False) for x in r.received))
+    r.receive_until(lambda r: any(isinstance(x, Heartbeat) and x.load.draining for x in r.received))
     r.thread.join(WAIT_S)
     assert not r.thread.is_alive() and not r.liveness._thread.is_alive()  # joined on the way out
 

@@ -53,8 +53,9 @@ def assert_idle(cluster: Cluster) -> None:
         assert not engine.scheduler.has_unfinished() and not engine.scheduler.waiting_for_kvs
 
 
-def test_n4_prefills_and_moves_the_prompt_once(clusters, tiny_dir) -> None:
-    cluster = clusters()
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_n4_prefills_and_moves_the_prompt_once(clusters, tiny_dir, backend: str) -> None:
+    cluster = clusters(backend=backend)
     prompt = prompts(512, [50], seed=70)[0]  # 13 blocks of 4 tokens, the last one partial
     cluster.submit("r", prompt, GREEDY, n=4)
     cluster.pump()

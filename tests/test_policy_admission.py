@@ -1,9 +1,9 @@
-"""coordinator.admission: which requests can never run (400) and when a choice may wait for
-decode blocks (else 503), exact, from the figures alone."""
+"""coordinator.policies, AdmissionPolicy: which requests can never run (400) and when a choice
+may wait for decode blocks (else 503), exact, from the figures alone."""
 
 from __future__ import annotations
 
-from pdserve.coordinator.admission import MAX_QUEUED, AdmissionPolicy
+from pdserve.coordinator.policies import MAX_QUEUED, AdmissionPolicy
 
 POLICY = AdmissionPolicy(max_queued=2)
 

@@ -1,11 +1,11 @@
-"""coordinator.disagg_policy: which prompts are prefilled where they decode, exact, from the
-figures alone (no cluster, no coordinator)."""
+"""coordinator.policies, ConditionalDisaggPolicy: which prompts are prefilled where they
+decode, exact, from the figures alone (no cluster, no coordinator)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.coordinator.disagg_policy import ConditionalDisaggPolicy, LocalReason
+from pdserve.coordinator.policies import ConditionalDisaggPolicy, LocalReason
 
 SHORT, BUSY = LocalReason.SHORT_PROMPT, LocalReason.PREFILL_BUSY
 

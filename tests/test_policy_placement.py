@@ -1,11 +1,11 @@
-"""coordinator.placement_policy: the pick of a prefill or decode worker from its candidates,
-exact, with no registry, sockets or coordinator."""
+"""coordinator.policies, PlacementPolicy: the pick of a prefill or decode worker from its
+candidates, exact, with no registry, sockets or coordinator."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.coordinator.placement_policy import (
+from pdserve.coordinator.policies import (
     DECODE_HOT_SPOT_STREAMS,
     ROUTING_MODES,
     Candidate,

@@ -1,4 +1,4 @@
-"""A prefill worker keeps one record per job (prefill/record.py) and nothing else: through
+"""A prefill worker keeps one record per job (``PrefillRecord``) and nothing else: through
 every way out (pushed, ended at token 0, aborted computing or sending, a transfer that fails or
 times out, a push that cannot start) the record, the engine's held KV or computing prompt and
 the sender's transfer all go, and every block is free (the prompt's stay in the prefix cache)."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvtransfer.base import KVPoll
-from pdserve.prefill.record import PrefillState
-from pdserve.prefill.worker import PrefillWorker
+from pdserve.prefill.worker import PrefillState, PrefillWorker
 from pdserve.protocol import messages as m
 from pdserve.protocol.blocks import fork_blocks
 from pdserve.protocol.keys import ChoiceKey

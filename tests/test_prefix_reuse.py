@@ -3,6 +3,8 @@ so the prefill worker moves only the rest (a chat's second turn moves only its n
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams
 from tests.cluster_util import Cluster
@@ -16,8 +18,10 @@ def cached_tokens(cluster: Cluster, request_id: str) -> int:
     return last.num_cached_tokens
 
 
-def test_a_second_turn_moves_only_its_new_blocks(tiny_dir) -> None:
-    cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir)])  # blocks of 4 tokens
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_a_second_turn_moves_only_its_new_blocks(tiny_dir, backend: str) -> None:
+    # blocks of 4 tokens
+    cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir)], backend=backend)
     prefill = cluster.workers["p0"]
     try:
         first = prompts(512, [21], seed=60)[0]
@@ -38,9 +42,10 @@ def test_a_second_turn_moves_only_its_new_blocks(tiny_dir) -> None:
         cluster.close()
 
 
-def test_a_fully_cached_prompt_still_moves_its_last_block(tiny_dir) -> None:
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_a_fully_cached_prompt_still_moves_its_last_block(tiny_dir, backend: str) -> None:
     """The last prompt token's logits must be computed: its block always moves."""
-    cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir)])
+    cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir)], backend=backend)
     prefill = cluster.workers["p0"]
     try:
         prompt = prompts(512, [16], seed=62)[0]  # exactly 4 blocks

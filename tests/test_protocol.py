@@ -14,6 +14,14 @@ import pytest
 import zmq
 
 from pdserve.protocol.codec import registered
+from pdserve.protocol.control import (
+    Heartbeat,
+    KVEvents,
+    KVLayout,
+    KVRegions,
+    Register,
+    WorkerLoad,
+)
 from pdserve.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -22,13 +30,9 @@ from pdserve.protocol.messages import (
     Finished,
     GatewayHello,
     Generate,
-    Heartbeat,
-    KVEvents,
     KVHeader,
-    KVLayout,
     PrefillJob,
     ProtocolError,
-    Register,
     RequestError,
     Reserve,
     Reserved,
@@ -43,12 +47,23 @@ from pdserve.protocol.messages import (
     decode,
     encode,
 )
+from pdserve.protocol.transfer import KVAck, KVPeer, KVPeers
 from pdserve.runtime import sockets
 from pdserve.runtime.loop import PushOutbox
 
 SPEC = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=[2, 9])
 LOGPROB = TokenLogprob(token_id=5, logprob=-0.25, rank=2, top=[(4, -0.125), (5, -0.25)])
 LAYOUT = KVLayout(block_size=16, dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16)
+REGIONS = KVRegions(
+    agent="pdserve-decode-12-ab",
+    metadata=bytes(range(256)) * 2,  # NIXL's own blob: opaque bytes, carried as they are
+    mem="DRAM",
+    device_id=0,
+    layer_addrs=[2**47 + 4096, 2**64 - 2**20],
+    block_bytes=2048,
+    num_blocks=128,
+    layout=LAYOUT,
+)
 SAMPLES = [
     Register(
         role="both",
@@ -62,12 +77,14 @@ SAMPLES = [
     ),
     Heartbeat(
         worker_id="w0",
-        free_blocks=100,
-        used_blocks=28,
-        total_blocks=128,
-        running=3,
-        waiting=1,
-        queued_prompt_tokens=512,
+        load=WorkerLoad(
+            free_blocks=100,
+            used_blocks=28,
+            total_blocks=128,
+            running=3,
+            waiting=1,
+            queued_prompt_tokens=512,
+        ),
     ),
     KVEvents(worker_id="w0", epoch="9f2c", seq=4, stored=[2**64 - 1, 7], evicted=[0]),
     KVEvents(worker_id="w0", epoch="9f2c", seq=5, stored=[3], snapshot=True, part=1, parts=2),
@@ -164,13 +181,41 @@ SAMPLES = [
                 role="decode",
                 worker_id="d0",
                 model="tiny",
-                used_blocks=3,
-                total_blocks=100,
-                running=2,
-                waiting=0,
+                load=WorkerLoad(
+                    free_blocks=97,
+                    used_blocks=3,
+                    total_blocks=100,
+                    running=2,
+                    waiting=0,
+                    queued_prompt_tokens=0,
+                    draining=True,
+                ),
             )
         ],
     ),
+    KVHeader(  # a pull transport's offer: where to read, where it lands, the secret
+        request_id="r1#2",
+        dst_block_ids=[4, 9],
+        src_block_ids=[0, 31],
+        num_layers=2,
+        dtype="float32",
+        block_shape=[2, 16, 2, 16],
+        checksum=None,
+        secret=b"\x07" * 16,
+    ),
+    Register(
+        role="prefill",
+        worker_id="p0",
+        model="tiny",
+        control_address="ipc://c",
+        transfer_address="",
+        transfer_backend="nixl",
+        layout=LAYOUT,
+        num_blocks=128,
+        kv_regions=REGIONS,
+    ),
+    KVPeers(added=[KVPeer(worker_id="d0", regions=REGIONS)], gone=["d1"]),
+    KVAck(request_id="r1#0", ok=False, reason="checksum mismatch"),
     KVHeader(
         request_id="r1",
         dst_block_ids=[4, 9],
@@ -225,7 +270,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 4,
+        "v": 5,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -275,7 +320,7 @@ def test_the_engine_uses_the_wire_types() -> None:
     import typing
 
     from pdserve.engine.engine import RequestOutput
-    from pdserve.engine.sequence import Sequence
+    from pdserve.engine.scheduler import Sequence
 
     hints = typing.get_type_hints(Sequence)
     assert hints["params"] is SamplingParams
@@ -375,8 +420,9 @@ def test_out_of_range_sampling_is_refused_by_the_codec(changes: dict, message: s
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 4"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 4"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 5"),
+        (abort_frames(v=4), "Abort: protocol version 4, expected 5"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 5"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
@@ -459,6 +505,21 @@ def test_optional_literal_tuple_and_bytes_fields() -> None:
     assert decode([msgpack.packb(fields)]).checksum is None
 
 
+def test_a_workers_load_is_checked_figure_by_figure() -> None:
+    """``WorkerLoad`` travels nested in ``Heartbeat`` (and ``WorkerStatus``): each figure is
+    checked as a field of its own, and the flat figures of protocol 4 are refused."""
+    (frame,) = encode(SAMPLES[1])
+    fields = msgpack.unpackb(frame)
+    assert fields["load"]["queued_prompt_tokens"] == 512 and fields["load"]["draining"] is False
+    fields["load"]["running"] = 1.5
+    expected = "Heartbeat.load.running: expected int, got float"
+    assert decode_error([msgpack.packb(fields)]) == expected
+    del fields["load"]["running"]
+    assert decode_error([msgpack.packb(fields)]) == "Heartbeat.load: missing field 'running'"
+    flat = {"type": "heartbeat", "v": PROTOCOL_VERSION, "worker_id": "w0", "free_blocks": 1}
+    assert decode_error([msgpack.packb(flat)]) == "Heartbeat: missing field 'load'"
+
+
 def test_bad_frame_references_and_extensions() -> None:
     (frame,) = encode(SAMPLES[-1])
     fields = msgpack.unpackb(frame)
@@ -530,6 +591,7 @@ def test_fuzz_values_only_protocol_errors() -> None:
 def test_protocol_runtime_and_kvtransfer_base_import_no_torch() -> None:
     code = (
         "import sys, pdserve.protocol.messages, pdserve.protocol.codec, pdserve.protocol.blocks, "
+        "pdserve.protocol.control, pdserve.protocol.checks, "
         "pdserve.protocol.prefix, pdserve.protocol.keys, pdserve.runtime.sockets, "
         "pdserve.runtime.loop, pdserve.runtime.security, pdserve.runtime.liveness, "
         "pdserve.kvtransfer.base; "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import Sampler, _top_k_top_p
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.scheduler import Sequence
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from tests.engine_util import greedy, hf_greedy, hf_last_logits, make_engine, prompts, run_all

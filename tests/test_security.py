@@ -24,13 +24,14 @@ from pdserve.coordinator.main import GATEWAY_IDLE_S, _Outbox
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.launch.keygen import keygen
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import Heartbeat, KVLayout, Register, WorkerLoad
 from pdserve.runtime.security import KeysError, SecureContext, Security
 from pdserve.runtime.sockets import bound_address, make_socket, recv_from, send_msg
 from tests.e2e_util import PDSERVE, ServedCluster
 from tests.engine_util import greedy, make_engine
 from tests.gateway_util import wait_for
 
-LAYOUT = m.KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
+LAYOUT = KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
 
 
 @pytest.fixture
@@ -38,10 +39,8 @@ def keys(tmp_path: Path) -> Path:
     return keygen(tmp_path / "keys", ["coord", "w1", "w2"])
 
 
-def register(
-    worker_id: str, num_blocks: int = 64, address: str = "tcp://127.0.0.1:1"
-) -> m.Register:
-    return m.Register(
+def register(worker_id: str, num_blocks: int = 64, address: str = "tcp://127.0.0.1:1") -> Register:
+    return Register(
         role="decode",
         worker_id=worker_id,
         model="tiny",
@@ -53,9 +52,8 @@ def register(
     )
 
 
-def heartbeat(worker_id: str, used: int, total: int = 64, queued: int = 0) -> m.Heartbeat:
-    return m.Heartbeat(
-        worker_id=worker_id,
+def heartbeat(worker_id: str, used: int, total: int = 64, queued: int = 0) -> Heartbeat:
+    load = WorkerLoad(
         free_blocks=total - used,
         used_blocks=used,
         total_blocks=total,
@@ -63,6 +61,7 @@ def heartbeat(worker_id: str, used: int, total: int = 64, queued: int = 0) -> m.
         waiting=0,
         queued_prompt_tokens=queued,
     )
+    return Heartbeat(worker_id=worker_id, load=load)
 
 
 def attempt(sock: zmq.Socket, msg: m.Message) -> None:
@@ -217,7 +216,7 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
             send_msg(as_w1, m.GatewayHello(bound_address(state_inbox)))
             got = recv_from(state_inbox, 60_000)
             assert got is not None and isinstance(got[1], m.ClusterState)
-            return {w.worker_id: (w.used_blocks, w.total_blocks) for w in got[1].workers}
+            return {w.worker_id: (w.load.used_blocks, w.load.total_blocks) for w in got[1].workers}
 
         w1_key, w2_key = Security.load(keys, "w1").user_id, Security.load(keys, "w2").user_id
 
@@ -274,15 +273,8 @@ def test_a_process_without_keys_cannot_register_or_inject(tiny_dir: Path) -> Non
         forged = [
             fake,
             heartbeat("fake", used=0, total=1 << 30),
-            m.Heartbeat(
-                worker_id="decode-1",
-                free_blocks=0,
-                used_blocks=0,
-                total_blocks=0,
-                running=0,
-                waiting=0,
-                queued_prompt_tokens=0,
-                draining=True,
+            Heartbeat(
+                worker_id="decode-1", load=dataclasses.replace(WorkerLoad.idle(0), draining=True)
             ),
         ]
         for msg in forged:

@@ -16,7 +16,7 @@ from pdserve.gateway.errors import OpenAIError, from_validation
 from pdserve.gateway.jobs import prepare_chat
 from pdserve.gateway.main import add_gateway_args
 from pdserve.gateway.openai_models import ChatCompletionRequest, check_supported
-from pdserve.gateway.tools.constraint import required_schema, tool_choice_constraint
+from pdserve.gateway.structured import required_schema, tool_choice_constraint
 from pdserve.gateway.tools.request import ToolPlan, template_features, tool_plan
 from pdserve.launch.serve import add_serve_args
 from pdserve.launch.serve_api import gateway_api_flags

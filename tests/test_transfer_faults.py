@@ -19,10 +19,13 @@ FAULTS = {
 }
 
 
-def run(tiny_dir, fault: FaultPlan, policy: str) -> tuple[Cluster, list[list[int]]]:
+def run(
+    tiny_dir, fault: FaultPlan, policy: str, backend: str = "zmq"
+) -> tuple[Cluster, list[list[int]]]:
     cluster = Cluster(
         [make_engine(tiny_dir)],
         [make_engine(tiny_dir)],
+        backend=backend,
         fault=fault,
         policy=policy,
         transfer_timeout_s=0.5,
@@ -34,9 +37,10 @@ def run(tiny_dir, fault: FaultPlan, policy: str) -> tuple[Cluster, list[list[int
     return cluster, batch
 
 
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
 @pytest.mark.parametrize("mode", sorted(FAULTS))
-def test_recompute_policy_finishes_exactly(tiny_dir, mode: str) -> None:
-    cluster, batch = run(tiny_dir, FAULTS[mode], "recompute")
+def test_recompute_policy_finishes_exactly(tiny_dir, mode: str, backend: str) -> None:
+    cluster, batch = run(tiny_dir, FAULTS[mode], "recompute", backend)
     try:
         for i, p in enumerate(batch):
             assert cluster.tokens(f"r{i}") == {0: hf_greedy(tiny_dir, p, 8)}
@@ -47,9 +51,10 @@ def test_recompute_policy_finishes_exactly(tiny_dir, mode: str) -> None:
         cluster.close()
 
 
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
 @pytest.mark.parametrize("mode", sorted(FAULTS))
-def test_fail_policy_ends_with_an_error(tiny_dir, mode: str) -> None:
-    cluster, _ = run(tiny_dir, FAULTS[mode], "fail")
+def test_fail_policy_ends_with_an_error(tiny_dir, mode: str, backend: str) -> None:
+    cluster, _ = run(tiny_dir, FAULTS[mode], "fail", backend)
     try:
         assert {e.request_id for e in cluster.errors()} == {"r0", "r1"}
         assert all(e.status == 500 and "KV transfer failed" in e.message for e in cluster.errors())

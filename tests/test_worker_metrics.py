@@ -7,9 +7,10 @@ import dataclasses
 
 import pytest
 
-from pdserve.coordinator.trust import counters_problem
+from pdserve.coordinator.registry import counters_problem
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS, WorkerCounters, WorkerLoad
 from pdserve.worker.wire import block_bytes
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine, prompts
@@ -46,9 +47,9 @@ def test_two_turns_add_up_exactly(tiny_dir) -> None:
 
 
 def test_gateway_renders_each_workers_totals() -> None:
-    counts = [0] * (len(m.TRANSFER_SECONDS_BUCKETS) + 1)
+    counts = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
     counts[2], counts[-1] = 3, 1  # three pushes of at most 5 ms, one past 2.5 s
-    c = m.WorkerCounters(
+    c = WorkerCounters(
         prefix_hit_tokens=20,
         prefill_tokens=40,
         kv_blocks_sent=9,
@@ -60,10 +61,14 @@ def test_gateway_renders_each_workers_totals() -> None:
         role="prefill",
         worker_id="p0",
         model="tiny",
-        used_blocks=1,
-        total_blocks=10,
-        running=0,
-        waiting=0,
+        load=WorkerLoad(
+            free_blocks=9,
+            used_blocks=1,
+            total_blocks=10,
+            running=0,
+            waiting=0,
+            queued_prompt_tokens=0,
+        ),
         counters=c,
     )
     text = GatewayMetrics().render([p0])
@@ -92,4 +97,4 @@ def test_gateway_renders_each_workers_totals() -> None:
     ],
 )
 def test_impossible_totals_are_refused(change: dict) -> None:
-    assert counters_problem(dataclasses.replace(m.WorkerCounters(), **change)) is not None
+    assert counters_problem(dataclasses.replace(WorkerCounters(), **change)) is not None

@@ -27,6 +27,7 @@ from pdserve.launch import cli
 from pdserve.launch.keygen import keygen
 from pdserve.prefill.main import add_prefill_args, run_prefill
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import Heartbeat, KVLayout, Register
 from pdserve.runtime.sockets import bound_address, make_socket, recv_msg
 from pdserve.worker import process
 from pdserve.worker.process import advertised
@@ -288,9 +289,9 @@ class FakeCoordinator:
                 if msg is None:
                     continue
                 self.got.append(msg)
-                if isinstance(msg, m.Register):
+                if isinstance(msg, Register):
                     self.stop.set()
-                if isinstance(msg, m.Heartbeat) and msg.draining:
+                if isinstance(msg, Heartbeat) and msg.load.draining:
                     self.drained.set()
                     return
         finally:
@@ -325,17 +326,17 @@ def test_a_prefill_worker_registers_with_its_defaults(
     args.coordinator = coordinator.address
     assert run_prefill(args) == 0
     assert coordinator.drained.wait(HANG_S), "no draining heartbeat after the stop"
-    reg = coordinator.first(m.Register)
+    reg = coordinator.first(Register)
     assert re.fullmatch(r"prefill-[0-9a-f]{8}", reg.worker_id)
     assert re.fullmatch(r"tcp://127\.0\.0\.1:[1-9][0-9]*", reg.control_address)
     assert (reg.role, reg.model, reg.model_root) == ("prefill", tiny_dir.name, str(tiny_dir))
     assert (reg.transfer_address, reg.transfer_backend) == ("", "zmq")
     assert (reg.num_blocks, reg.max_model_len) == (64, 512)
-    assert reg.layout == m.KVLayout(
+    assert reg.layout == KVLayout(
         block_size=8, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16
     )
-    last = [msg for msg in coordinator.got if isinstance(msg, m.Heartbeat)][-1]
-    assert (last.worker_id, last.draining, last.total_blocks) == (reg.worker_id, True, 64)
+    last = [msg for msg in coordinator.got if isinstance(msg, Heartbeat)][-1]
+    assert (last.worker_id, last.load.draining, last.load.total_blocks) == (reg.worker_id, True, 64)
 
 
 def test_a_colocated_decode_worker_advertises_its_host(
@@ -354,7 +355,7 @@ def test_a_colocated_decode_worker_advertises_its_host(
     ]
     assert cli.main(argv) == 0
     assert coordinator.drained.wait(HANG_S), "no draining heartbeat after the stop"
-    reg = coordinator.first(m.Register)
+    reg = coordinator.first(Register)
     assert (reg.role, reg.worker_id, reg.model) == ("both", "d-7", "house-model")
     control = re.fullmatch(r"tcp://10\.9\.8\.7:([1-9][0-9]*)", reg.control_address)
     transfer = re.fullmatch(r"tcp://10\.9\.8\.7:([1-9][0-9]*)", reg.transfer_address)

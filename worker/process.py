@@ -2,7 +2,7 @@
 
 The worker binds its control socket (Reserve / PrefillJob / TransferDone / Abort arrive
 there), registers with the coordinator, and heartbeats from a thread of its own
-(protocol/liveness.py), so a long step never reads as a dead worker. What differs by role
+(runtime/liveness.py), so a long step never reads as a dead worker. What differs by role
 (the worker object, its KV transport) comes from the role's ``main`` as a ``Build``.
 """
 
@@ -21,7 +21,9 @@ from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.base import KVReceiver, KVSender
 from pdserve.models.pull import PullError
-from pdserve.protocol import messages as m
+from pdserve.protocol.codec import Message
+from pdserve.protocol.control import Register, Role
+from pdserve.protocol.transfer import KVPeers
 from pdserve.runtime import security
 from pdserve.runtime.liveness import Liveness
 from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
@@ -40,7 +42,7 @@ class RoleParts:
     worker: Worker[Record]  # a PrefillWorker or a DecodeWorker
     transport: KVSender | KVReceiver | None  # its KV sender or receiver (closed on exit)
     transfer_address: str = ""  # where prefill workers push KV to it ("" for prefill)
-    wire_role: m.Role | None = None  # what it registers as (default: the role)
+    wire_role: Role | None = None  # what it registers as (default: the role)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class WorkerContext:
 Build = Callable[[argparse.Namespace, WorkerContext], RoleParts]
 
 
-def run_worker(args: argparse.Namespace, role: m.Role, build: Build) -> int:
+def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
     """Start the engine, build the role's parts, register and step until signalled."""
     check_worker_args(args, role)
     engine = _start_engine(args, role)
@@ -90,7 +92,7 @@ def run_worker(args: argparse.Namespace, role: m.Role, build: Build) -> int:
     try:
         serve(
             control,
-            worker.handle,
+            lambda msg: _handle(msg, parts),
             worker.step,
             periodic,
             stop_on_signals(),
@@ -108,7 +110,17 @@ def run_worker(args: argparse.Namespace, role: m.Role, build: Build) -> int:
     return 0
 
 
-def _start_engine(args: argparse.Namespace, role: m.Role) -> LLMEngine:
+def _handle(msg: Message, parts: RoleParts) -> None:
+    """A message from the coordinator: the transport's peers, or the worker's."""
+    if isinstance(msg, KVPeers):
+        if parts.transport is not None:
+            added = [(peer.worker_id, peer.regions) for peer in msg.added]
+            parts.transport.update_peers(added, msg.gone)
+    else:
+        parts.worker.handle(msg)
+
+
+def _start_engine(args: argparse.Namespace, role: Role) -> LLMEngine:
     from pdserve.engine.cli_args import engine_config_from_args
 
     try:
@@ -120,7 +132,7 @@ def _start_engine(args: argparse.Namespace, role: m.Role) -> LLMEngine:
 
 def _open(
     args: argparse.Namespace,
-    role: m.Role,
+    role: Role,
     build: Build,
     ctx: zmq.SyncContext,
     engine: LLMEngine,
@@ -133,7 +145,8 @@ def _open(
         # start-up error rather than a traceback from a running worker
         make_socket(ctx, zmq.PUSH, args.coordinator, bind=False).close()
         # the KV sockets (zmq, and the GPU backends' control socket) share this context's keys
-        options: dict[str, object] = {} if args.transfer_backend == "ucx" else {"ctx": ctx}
+        zmq_kv = args.transfer_backend not in ("ucx", "nixl")
+        options: dict[str, object] = {"ctx": ctx} if zmq_kv else {}
         outbox = PushOutbox(ctx, args.coordinator)
         return control, outbox, build(args, WorkerContext(engine, worker_id, outbox, options))
     except OSError as e:  # an address that cannot be bound or dialled
@@ -143,15 +156,15 @@ def _open(
 
 def _register(
     args: argparse.Namespace,
-    role: m.Role,
+    role: Role,
     engine: LLMEngine,
     worker_id: str,
     control: zmq.SyncSocket,
     parts: RoleParts,
-) -> m.Register:
+) -> Register:
     """What the worker tells the coordinator it is, each heartbeat period."""
     config = engine.config
-    return m.Register(
+    return Register(
         role=role,
         worker_id=worker_id,
         model=args.served_model_name or os.path.basename(os.path.normpath(config.model)),
@@ -162,6 +175,7 @@ def _register(
         num_blocks=engine.status.num_blocks,
         model_root=os.path.abspath(config.model),
         max_model_len=engine.max_model_len,
+        kv_regions=None if parts.transport is None else parts.transport.regions,
     )
 
 

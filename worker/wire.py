@@ -10,6 +10,13 @@ from typing import Protocol
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.common import layout_of
 from pdserve.protocol import messages as m
+from pdserve.protocol.control import (
+    TRANSFER_SECONDS_BUCKETS,
+    Heartbeat,
+    KVLayout,
+    WorkerCounters,
+    WorkerLoad,
+)
 from pdserve.protocol.keys import ChoiceKey
 from pdserve.protocol.sampling import SamplingParams
 
@@ -61,7 +68,7 @@ def token_chunk(
     key: ChoiceKey, out: RequestOutput, index: int, token_ids: list[int], reason: str | None
 ) -> m.TokenChunk:
     """``token_ids`` of ``out`` for choice ``key``, the first at ``index``; ``reason``: why the
-    choice ends with them (None: it goes on)."""
+    choice ends with them (a ``FinishReason`` value; None: it goes on)."""
     return m.TokenChunk(
         request_id=key.request_id,
         choice=key.choice,
@@ -69,7 +76,7 @@ def token_chunk(
         token_ids=token_ids,
         logprobs=out.new_logprobs or None,
         finished=reason is not None,
-        finish_reason=reason,
+        finish_reason=None if reason is None else m.FinishReason(reason),
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
     )
@@ -83,7 +90,7 @@ def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + choice)
 
 
-def kv_layout(engine: LLMEngine) -> m.KVLayout:
+def kv_layout(engine: LLMEngine) -> KVLayout:
     """What this engine's blocks look like to another worker (``Register.layout``)."""
     return layout_of(engine.status.kv_layers)
 
@@ -96,7 +103,7 @@ class TransferStats:
         self.blocks = 0
         self.bytes = 0
         self.seconds_sum = 0.0
-        self.counts = [0] * (len(m.TRANSFER_SECONDS_BUCKETS) + 1)
+        self.counts = [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
 
     def started(self, blocks: int, bytes_per_block: int) -> None:
         self.blocks += blocks
@@ -105,7 +112,7 @@ class TransferStats:
     def ended(self, seconds: float) -> None:
         seconds = max(seconds, 0.0)
         self.seconds_sum += seconds
-        self.counts[bisect.bisect_left(m.TRANSFER_SECONDS_BUCKETS, seconds)] += 1
+        self.counts[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS, seconds)] += 1
 
 
 def block_bytes(engine: LLMEngine) -> int:
@@ -113,9 +120,9 @@ def block_bytes(engine: LLMEngine) -> int:
     return sum(layer[0].numel() * layer.element_size() for layer in engine.status.kv_layers)
 
 
-def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> m.WorkerCounters:
+def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> WorkerCounters:
     t = transfers or TransferStats()
-    return m.WorkerCounters(
+    return WorkerCounters(
         prefix_hit_tokens=engine.status.prefix_hit_tokens,
         prefill_tokens=engine.prefill_tokens_computed,
         kv_blocks_sent=t.blocks,
@@ -131,10 +138,11 @@ def heartbeat(
     queued_prompt_tokens: int,
     draining: bool = False,
     transfers: TransferStats | None = None,
-) -> m.Heartbeat:
+) -> Heartbeat:
+    """This worker's load and totals now (built on the loop thread, the only one touching the
+    engine)."""
     status = engine.status
-    return m.Heartbeat(
-        worker_id=worker_id,
+    load = WorkerLoad(
         free_blocks=status.num_free_blocks,
         used_blocks=status.num_used_blocks,
         total_blocks=status.num_blocks,
@@ -142,5 +150,5 @@ def heartbeat(
         waiting=status.num_waiting,
         queued_prompt_tokens=queued_prompt_tokens,
         draining=draining,
-        counters=worker_counters(engine, transfers),
     )
+    return Heartbeat(worker_id=worker_id, load=load, counters=worker_counters(engine, transfers))

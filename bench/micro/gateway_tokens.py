@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.jobs import Job
+from pdserve.gateway.responses import stream_events
 from pdserve.gateway.run import JobRun
-from pdserve.gateway.stream import stream_events
 from pdserve.gateway.zmq_backend import ZmqBackend
 from pdserve.protocol import messages as m
 from pdserve.protocol.codec import decode, encode

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pdserve.envs import pdserve_home
+from pdserve.protocol.blocks import blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class KernelPlan:
     ) -> KernelPlan:
         indptr, pages = [0], []
         for seq_len, table in zip(lens, tables, strict=True):
-            pages.extend(table[: -(-seq_len // block_size)])
+            pages.extend(table[: blocks_for(seq_len, block_size)])
             indptr.append(len(pages))
         # through numpy: 3x faster than torch.tensor on a list of ints
         data = torch.from_numpy(np.array(rows + lens + indptr + pages, dtype=np.int32))

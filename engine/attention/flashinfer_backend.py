@@ -29,6 +29,7 @@ import torch
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.protocol.blocks import blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def paged_kv_indices_from(
     for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
         if not 1 <= q_len <= seq_len:
             raise ValueError(f"query length {q_len} outside [1, context {seq_len}]")
-        pages = -(-seq_len // block_size)
+        pages = blocks_for(seq_len, block_size)
         if pages > len(table):
             raise ValueError(
                 f"context of {seq_len} tokens needs {pages} blocks, table has {len(table)}"

@@ -37,6 +37,7 @@ from pdserve.engine.attention.torch_ops import (
     gather_blocks,
     write_kv_slots,
 )
+from pdserve.protocol.blocks import blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.block_tables_cpu,
             strict=True,
         ):
-            num_blocks = -(-seq_len // bs)
+            num_blocks = blocks_for(seq_len, bs)
             if q_len == 1:
                 decode_rows.append(start)
                 decode_tables.append(table[:num_blocks])

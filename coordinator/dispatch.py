@@ -1,18 +1,29 @@
-"""Holding decode blocks for a request's choices: the decode worker with the most room and
-cache (``Placement``) gets a ``Reserve``; with none free now, the choice queues (first come,
-first served, bounded by the ``AdmissionPolicy``) until heartbeats and ticks show blocks back.
-A refusal asks another decode worker."""
+"""How a request's choices reach their decode worker, one of two ways::
+
+    reserved   the decode worker with the most room and cache gets a ``Reserve``; a prefill
+               worker computes the prompt once it answers (``Reservations``). With no blocks
+               free now, the choice queues (first come, first served, bounded by the
+               ``AdmissionPolicy``) until heartbeats and ticks show blocks back; a refusal
+               asks another decode worker.
+    local      one worker runs both phases, no transfer (``LocalPrefill``): conditional
+               disaggregation (a short uncached prompt, or a busy prefill pool, goes to its
+               decode worker to prefill itself: the ``ConditionalDisaggPolicy`` decides), a
+               colocated pool, and a choice resuming on another worker after its own died
+               (prompt + tokens so far recomputed there).
+
+Either way the worker is ``Placement``'s pick, and the choice's route (``coordinator.routes``)
+says which way it went.
+"""
 
 from __future__ import annotations
 
 import logging
 
-from pdserve.coordinator.admission import AdmissionPolicy
 from pdserve.coordinator.placement import Placement
-from pdserve.coordinator.routes import Route, RouteState
-from pdserve.coordinator.shared import Shared
+from pdserve.coordinator.policies import AdmissionPolicy, ConditionalDisaggPolicy, LocalReason
+from pdserve.coordinator.routes import Route, RouteState, Shared
 from pdserve.protocol import messages as m
-from pdserve.protocol.blocks import fork_blocks
+from pdserve.protocol.blocks import fork_blocks, resume_blocks
 from pdserve.protocol.keys import ChoiceKey
 
 logger = logging.getLogger(__name__)
@@ -31,7 +42,7 @@ class Reservations:
 
     def blocks_for(self, req: m.Generate, choices: int) -> int:
         """Decode blocks ``choices`` forked choices start with (``protocol.blocks``)."""
-        block_size = self.shared.registry.block_size(req.model)
+        block_size = self.placement.block_size(req.model)
         return fork_blocks(len(req.prompt_token_ids), choices, block_size)
 
     def reserve(
@@ -66,7 +77,7 @@ class Reservations:
         """The pool is full for now: wait for blocks to come back, oldest first; or fail."""
         shared = self.shared
         queued = len(shared.routes.in_state(RouteState.QUEUED))
-        decoder = shared.registry.has_decoder(req.model, shared.avoid())
+        decoder = self.placement.has_decoder(req.model, shared.avoid())
         if self.admission.can_queue(queued, decoder):
             route = Route(req, choice, RouteState.QUEUED, since=shared.now, need=need)
             route.choices = choices
@@ -103,7 +114,7 @@ class Reservations:
         route = shared.routes.get(key)
         shared.silent.heard(msg.worker_id)
         in_flight = self.reserving_on(msg.worker_id, but=key)
-        shared.registry.free_blocks_answered(msg.worker_id, msg.free_blocks, in_flight)
+        self.placement.free_blocks_answered(msg.worker_id, msg.free_blocks, in_flight)
         if (
             route is None
             or route.state is not RouteState.RESERVING
@@ -144,3 +155,91 @@ class Reservations:
             choices=route.choices,
         )
         self.shared.send(route.decode, msg)
+
+
+class LocalPrefill:
+    """Owns the ``local`` routes: which requests one worker prefills and decodes itself, the
+    ``PrefillJob`` with no destination sent there, and the ``Accepted`` for each choice."""
+
+    def __init__(
+        self, shared: Shared, placement: Placement, policy: ConditionalDisaggPolicy
+    ) -> None:
+        self.shared = shared
+        self.placement = placement
+        self.policy = policy
+
+    def prefill_on_decode(self, req: m.Generate) -> LocalReason | None:
+        """Conditional disaggregation: why the request went to a decode worker to prefill
+        itself rather than through a transfer; None when it did not (the policy says no, or
+        no decode worker has room now: the usual path queues it)."""
+        if not self.policy.enabled:
+            return None
+        shared, prompt = self.shared, req.prompt_token_ids
+        reason = self.policy.reason(
+            prompt_tokens=len(prompt),
+            # the part of the prompt its decode worker would compute: a conversation's next
+            # turn is short even when its history is long
+            decode_cached_tokens=self.placement.decode_hit_tokens(req.model, prompt),
+            prefill_queue_tokens=self.placement.prefill_queue_tokens(req.model, shared.avoid()),
+        )
+        if reason is None:
+            return None
+        need = fork_blocks(len(prompt), req.n, self.placement.block_size(req.model))
+        worker = self.placement.pick_decode(req.model, need, shared.avoid(), prompt)
+        if worker is None:
+            return None
+        self._run_local(req, worker.worker_id)
+        return reason
+
+    def resume(self, req: m.Generate, choice: int) -> None:
+        """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far
+        and decodes on (no transfer)."""
+        block_size = self.placement.block_size(req.model)
+        need = resume_blocks(len(req.prompt_token_ids), len(req.resume_token_ids), block_size)
+        worker = self.placement.pick_decode(req.model, need, ())
+        if worker is None:
+            self.shared.error_to(req, 503, "no decode worker can take over this request")
+            return
+        logger.info(
+            "request %s#%d resumes on %s after %d tokens",
+            req.request_id,
+            choice,
+            worker.worker_id,
+            len(req.resume_token_ids),
+        )
+        self._run_local(req, worker.worker_id, choice, list(req.resume_token_ids))
+
+    def run_colocated(self, req: m.Generate) -> None:
+        """A pool whose workers all run both phases: the least busy one takes the request."""
+        worker = self.placement.pick_colocated(req.model, len(req.prompt_token_ids))
+        if worker is None:
+            self.shared.error_to(req, 503, f"model {req.model} has no worker")
+            return
+        self._run_local(req, worker.worker_id)
+
+    def _run_local(
+        self, req: m.Generate, worker_id: str, choice: int = 0, generated: list[int] | None = None
+    ) -> None:
+        """One worker runs both phases (no transfer): of every choice, prefilled once and
+        forked there; or, ``generated`` given, of ``choice`` alone after those tokens."""
+        shared = self.shared
+        members = [choice] if generated is not None else list(range(req.n))
+        for c in members:
+            route = Route(req, c, RouteState.LOCAL, decode=worker_id, prefill=worker_id)
+            shared.routes.add(route)
+            if generated is None:  # a resumed choice's gateway knows it is accepted
+                accepted = m.Accepted(request_id=req.request_id, choice=c)
+                shared.outbox.to_gateway(req.stream_address, accepted)
+        job = m.PrefillJob(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            n=req.n,
+            dst_block_ids=[],
+            transfer_address="",
+            stream_address=req.stream_address,
+            choice=choice,
+            generated_token_ids=generated or [],
+            choices=len(members),
+        )
+        shared.send(worker_id, job)

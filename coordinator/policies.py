@@ -1,7 +1,10 @@
-"""Which worker of a pool takes a choice: a pure decision over a list of candidates, by KV
-cache and load (``kv``), by load alone (``load``), or in turn (``round-robin``); the mode is
-``--routing``. ``coordinator.placement`` builds the candidates and acts on the pick.
+"""The coordinator's decisions, as pure policy objects: figures in, a decision out, no state
+of their own (each has its own unit tests, tests/test_policy_*.py). The parts that act on them:
+``coordinator.placement`` (placement), ``coordinator.dispatch`` (conditional disaggregation,
+admission's queue) and ``coordinator.coordinator`` (admission's size check).
 
+Placement (``PlacementPolicy``): which worker of a pool takes a choice, by KV cache and load
+(``kv``), by load alone (``load``), or in turn (``round-robin``); the mode is ``--routing``.
 Prefill cost of candidate w for a prompt of n tokens (``kv``); the lowest wins, a tie goes to
 the shorter queue::
 
@@ -19,6 +22,20 @@ move is ``need - hit(w)``: a decode worker reserves the prompt blocks its own ca
 instead of receiving them (``engine.reserve_prompt``), so a conversation's next turn goes back
 to the worker holding its history. Guard: when that worker runs more than
 ``DECODE_HOT_SPOT_STREAMS`` streams beyond the least busy one, load decides instead.
+
+Conditional disaggregation (``ConditionalDisaggPolicy``): whether a prompt is prefilled by its
+decode worker itself (no KV transfer) rather than by a prefill worker::
+
+    local_short_prompt   the part of the prompt not cached on its decode worker is at most
+                         ``max_local_prefill_tokens`` (a conversation's next turn is short even
+                         when its history is long)
+    local_prefill_busy   every answering prefill worker has more than
+                         ``max_prefill_queue_tokens`` prompt tokens queued
+
+0 turns either rule off (the default: every prompt goes through a prefill worker).
+
+Admission (``AdmissionPolicy``): whether a request can be taken at all, and whether a choice no
+decode worker has room for now may wait for one.
 """
 
 from __future__ import annotations
@@ -27,8 +44,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from pdserve.protocol.blocks import blocks_for
+
 HOT_SPOT_TOKENS = 2048  # default guard: queued prompt tokens beyond the shortest queue
 DECODE_HOT_SPOT_STREAMS = 16  # decode guard: running streams beyond the least busy worker
+MAX_QUEUED = 4096  # choices waiting for decode blocks at once (the rest fail at once, 503)
+
+# ---- placement -------------------------------------------------------------------------------
 
 
 class RoutingMode(Enum):
@@ -175,3 +197,89 @@ def in_turn(pool: Sequence[Candidate], last: str | None) -> Candidate:
     ids = sorted(c.worker_id for c in pool)
     wid = next((i for i in ids if last is None or i > last), ids[0])
     return next(c for c in pool if c.worker_id == wid)
+
+
+# ---- conditional disaggregation --------------------------------------------------------------
+
+
+class LocalReason(Enum):
+    """Why a prompt is prefilled where it decodes (counted in
+    ``pdserve_routing_decisions_total`` by its value)."""
+
+    SHORT_PROMPT = "local_short_prompt"
+    PREFILL_BUSY = "local_prefill_busy"
+
+
+@dataclass(frozen=True)
+class ConditionalDisaggPolicy:
+    """The two thresholds, in prompt tokens (0: that rule off)."""
+
+    max_local_prefill_tokens: int = 0
+    max_prefill_queue_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_local_prefill_tokens < 0 or self.max_prefill_queue_tokens < 0:
+            raise ValueError("the local-prefill thresholds must be >= 0 (0: off)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_local_prefill_tokens > 0 or self.max_prefill_queue_tokens > 0
+
+    def reason(
+        self,
+        prompt_tokens: int,
+        decode_cached_tokens: int,
+        prefill_queue_tokens: int | None,
+    ) -> LocalReason | None:
+        """Why a prompt of ``prompt_tokens``, ``decode_cached_tokens`` of them cached on the
+        decode worker that would take it, is prefilled there while the shortest prefill queue
+        holds ``prefill_queue_tokens`` (None: no prefill worker answers); None: by a prefill
+        worker."""
+        limit = self.max_local_prefill_tokens
+        if limit > 0 and prompt_tokens > 0 and prompt_tokens - decode_cached_tokens <= limit:
+            return LocalReason.SHORT_PROMPT
+        busy = self.max_prefill_queue_tokens
+        if busy > 0 and prefill_queue_tokens is not None and prefill_queue_tokens > busy:
+            return LocalReason.PREFILL_BUSY
+        return None
+
+
+# ---- admission -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """A request that can never fit fails at once (400, not worth retrying); a choice may wait
+    for blocks only while the queue has room and some decode worker answers (else 503)."""
+
+    max_queued: int = MAX_QUEUED
+
+    def too_big(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        max_model_len: int,
+        decode_blocks: int,
+        block_size: int,
+    ) -> str | None:
+        """Why a prompt of ``prompt_tokens`` plus ``max_tokens`` can never run: beyond the
+        model's context length ``max_model_len``, or the whole KV cache (``decode_blocks`` of
+        ``block_size`` tokens) of its largest decode worker; None when it fits. 0 for either
+        limit: not known (no worker said)."""
+        tokens = prompt_tokens + max_tokens
+        if max_model_len and tokens > max_model_len:
+            return (
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"the model's context length of {max_model_len} tokens"
+            )
+        if decode_blocks and blocks_for(tokens, block_size) > decode_blocks:
+            return (
+                f"the prompt plus max_tokens needs {tokens} tokens of KV cache, more than the "
+                f"{decode_blocks * block_size} the largest decode worker holds"
+            )
+        return None
+
+    def can_queue(self, queued: int, decoder_answers: bool) -> bool:
+        """Whether one more choice may wait for decode blocks, with ``queued`` waiting already;
+        ``decoder_answers``: some decode worker of its model takes work and is not silent."""
+        return queued < self.max_queued and decoder_answers

@@ -1,11 +1,13 @@
 """OpenAI response bodies: ``chat.completion`` / ``text_completion`` objects, their streamed
-chunks as server-sent events, and the two consumers of a ``JobRun`` that build them.
+chunks as server-sent events, and the two consumers of a ``JobRun`` that build them
+(``stream_events``, ``collect``), each choice's text through its tool-call stage first
+(``ToolOutput``) when the request has tools.
 
 A stream, as OpenAI sends it (every chunk has one id and ``created``):
 
     data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, ...}]}
     data: {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}
-          (with tools: "delta": {"tool_calls": [...]} too, parsed by ``gateway.tools.output``)
+          (with tools: "delta": {"tool_calls": [...]} too, parsed by ``ToolOutput``)
     data: {"choices": [], "usage": {...}}          only with stream_options.include_usage
                                                    (continuous_usage_stats: on every chunk)
     data: [DONE]
@@ -17,6 +19,7 @@ A failure after the first byte cannot change the status any more: it becomes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,8 +36,9 @@ from pdserve.gateway.errors import OpenAIError, from_backend, internal
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
 from pdserve.gateway.run import JobRun, Usage
-from pdserve.gateway.tools.calls import accumulate, delta_json
-from pdserve.gateway.tools.output import ToolOutput
+from pdserve.gateway.tools.calls import accumulate, delta_json, new_call_id
+from pdserve.gateway.tools.request import ToolPlan
+from pdserve.gateway.tools.stages import make_stage
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -161,6 +165,37 @@ def chunk_choice(
     choice["logprobs"] = _logprobs(job, logprobs)
     choice["finish_reason"] = update.finish_reason
     return choice
+
+
+class ToolOutput:
+    """The hook between a generation's updates and the response: each choice's text goes
+    through its tool-call stage (``gateway.tools.stages``), streamed and non-streamed alike;
+    owns one stage a choice::
+
+        ChoiceUpdate(text) --stage--> ChoiceUpdate(text=content, tool_calls=deltas)
+
+    ``finish_reason`` "stop" becomes "tool_calls" when the choice made a call ("length" stays:
+    the last call's arguments may be cut short)."""
+
+    def __init__(
+        self, plan: ToolPlan, num_choices: int, new_id: Callable[[], str] = new_call_id
+    ) -> None:
+        self._stages = [make_stage(plan, new_id) for _ in range(num_choices)]
+
+    @classmethod
+    def of(cls, plan: ToolPlan | None, num_choices: int) -> ToolOutput | None:
+        return None if plan is None else cls(plan, num_choices)
+
+    def apply(self, update: ChoiceUpdate) -> ChoiceUpdate:
+        stage = self._stages[update.index]
+        content, deltas = stage.feed(update.text)
+        finish = update.finish_reason
+        if finish is not None:
+            more, last = stage.finish()
+            content, deltas = content + more, deltas + last
+            if finish == "stop" and stage.calls:
+                finish = "tool_calls"
+        return dataclasses.replace(update, text=content, tool_calls=deltas, finish_reason=finish)
 
 
 def error_body(error: BaseException) -> OpenAIError:

@@ -1,0 +1,133 @@
+"""The workers' side of the control plane: what a worker tells the coordinator about itself.
+
+    worker ── Register (each period: role, model, KV layout, blocks) ──▶ coordinator
+           ── Heartbeat (each period: WorkerLoad, WorkerCounters) ─────▶ coordinator
+           ── KVEvents (beside each heartbeat: its prefix cache) ──────▶ coordinator
+
+A worker's load (``WorkerLoad``) is one type from the worker's heartbeat through the
+coordinator's registry (which estimates it between heartbeats) to the gateway's ``/metrics``
+(``messages.WorkerStatus``). The request lifecycle's messages are in ``protocol.messages``; the
+rules for adding a message are in its docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdserve.protocol.codec import Message, message
+
+Role = Literal["prefill", "decode", "both"]
+
+# upper bounds (seconds) of the KV-transfer-time histogram a worker reports, then +Inf
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    """What two workers must agree on to exchange KV blocks (``kvtransfer.check_layouts``)."""
+
+    block_size: int
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVRegions:
+    """Where a worker's KV cache lives for a transport that reads or writes it remotely: one
+    region per layer (``[num_blocks, 2, block_size, H, D]`` contiguous, block ``b`` of layer
+    ``l`` at ``layer_addrs[l] + b * block_bytes``) in ``mem`` ("DRAM" or "VRAM")."""
+
+    agent: str  # the transport agent's name (NIXL)
+    metadata: bytes  # the agent's own metadata blob (NIXL's format, not Python's pickle)
+    mem: str
+    device_id: int
+    layer_addrs: list[int]
+    block_bytes: int
+    num_blocks: int
+    layout: KVLayout
+
+
+@message("register")
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    role: Role
+    worker_id: str
+    model: str
+    control_address: str  # where the coordinator sends Reserve / PrefillJob / Abort
+    transfer_address: str  # KV receiver address ("" for a prefill-only worker)
+    transfer_backend: str  # "zmq" | "ucx" | ...; paired workers must use the same one
+    layout: KVLayout
+    num_blocks: int
+    model_root: str = ""  # where the weights live (``root`` in /v1/models)
+    max_model_len: int = 0
+    kv_regions: KVRegions | None = None  # one-sided transports (nixl; ``protocol.transfer``)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLoad:
+    """A worker's load: its KV blocks and its requests, as it last reported them (or as the
+    coordinator estimates them since: ``coordinator.registry``)."""
+
+    free_blocks: int
+    used_blocks: int
+    total_blocks: int
+    running: int  # requests it runs
+    waiting: int  # requests its engine has queued
+    queued_prompt_tokens: int  # prompt tokens it has still to compute
+    draining: bool = False  # finishing what it has, taking nothing new (SIGTERM)
+
+    @classmethod
+    def idle(cls, num_blocks: int) -> WorkerLoad:
+        """Every block free and nothing to do: a worker before its first heartbeat."""
+        return cls(
+            free_blocks=num_blocks,
+            used_blocks=0,
+            total_blocks=num_blocks,
+            running=0,
+            waiting=0,
+            queued_prompt_tokens=0,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerCounters:
+    """A worker's totals since it started (``Heartbeat`` → ``ClusterState`` → ``/metrics``)."""
+
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV its prefix cache already held
+    prefill_tokens: int = 0  # tokens it computed in prompt chunks (recomputation included)
+    kv_blocks_sent: int = 0  # KV blocks it pushed to decode workers
+    kv_bytes_sent: int = 0
+    transfer_seconds_sum: float = 0.0
+    # pushes that ended (done or failed) by time taken: one count per
+    # ``TRANSFER_SECONDS_BUCKETS`` bound and one past the last (not cumulative); empty: none
+    transfer_seconds_counts: list[int] = field(default_factory=list)
+
+
+@message("heartbeat")
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    worker_id: str
+    load: WorkerLoad
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+
+
+@message("kv_events")
+@dataclass(frozen=True, kw_only=True)
+class KVEvents(Message):
+    """Worker → coordinator, beside each heartbeat: the prefix-cache block hashes
+    (``protocol.prefix``) it stored and evicted since its last message, at most
+    ``MAX_KV_EVENT_HASHES`` a message; or, with ``snapshot``, every hash it holds, in ``parts``
+    messages sent back to back (at its start, now and then after, and when its log of changes
+    overflowed), which replace what the coordinator knew of it."""
+
+    worker_id: str
+    epoch: str  # random per worker process: a new one means the worker restarted
+    seq: int  # consecutive within an epoch: a gap means messages were lost
+    stored: list[int]
+    evicted: list[int] = field(default_factory=list)
+    snapshot: bool = False
+    part: int = 0  # of a snapshot: this message's index among ``parts``
+    parts: int = 1

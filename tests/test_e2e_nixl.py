@@ -1,0 +1,72 @@
+"""NIXL through real processes: kill -9 either side while a transfer is under way (held open by
+an injected delay, so the kill lands inside it): no stream hangs, every block comes back, and
+the restarted worker's new agent is introduced to its peer (the next request's KV moves)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from tests.e2e_util import ServedCluster
+from tests.gateway_util import wait_until
+from tests.test_e2e_resilience import pids_of, stream_events
+
+
+@pytest.mark.parametrize("dead", ["prefill", "decode"])
+def test_a_side_killed_mid_transfer(tiny_dir, dead: str) -> None:
+    c = ServedCluster(
+        tiny_dir,
+        "--prefill=1",
+        "--decode=1",
+        "--transfer-backend=nixl",
+        "--kv-fault=delay:1:4",  # every offer leaves 4 s late: the transfer is open that long
+        "--num-kv-blocks=256",
+    )
+    try:
+        body = {
+            "model": c.model_name,
+            "prompt": "a story " * 40,
+            "max_tokens": 8,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events: list[str] = []
+        started = threading.Event()
+        t = threading.Thread(target=stream_events, args=(c.url, body, events, started))
+        t.start()
+        assert started.wait(60), "no first token"  # token 0 came from the prefill worker
+        # both sides hold the request's blocks: the prefill worker its prompt's (leased to the
+        # reader), the decode worker the reservation the offer is for
+        wait_until(
+            lambda: len([w for w, used in c.kv_blocks_used().items() if used]) == 2,
+            what="blocks held on both sides of the transfer",
+        )
+        [victim] = [w for w in c.kv_blocks_used() if w.startswith(dead)]
+        [pid] = pids_of(victim, c.proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        t.join(180)
+        assert not t.is_alive(), "the stream hung"
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        # the coordinator saw the worker die and ended the stream: with that error, or (the
+        # decode worker's death) when moving the stream found no other decode worker
+        reasons = (f"worker {victim} stopped responding", "has no prefill and decode workers")
+        assert any(r in last["error"]["message"] for r in reasons), last
+        # serve restarts the dead worker; its new agent reaches its peer, and KV moves again
+        wait_until(lambda: c.kv_blocks_used().get(victim) == 0.0, what="the restart")
+        r = httpx.post(
+            f"{c.url}/v1/completions",
+            timeout=120,
+            json={**body, "stream": False, "max_tokens": 4},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert set(c.wait_blocks_free().values()) == {0.0}
+        assert "nixl: loaded peer" in c.output()
+    finally:
+        c.stop()
