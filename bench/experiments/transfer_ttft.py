@@ -25,7 +25,7 @@ import time
 
 import httpx
 
-from bench.experiments.cluster import ServeProcess
+from pdserve.bench.experiments.cluster import ServeProcess
 
 SUM = re.compile(r'^pdserve_worker_kv_transfer_seconds_sum\{role="prefill"[^}]*\} (\S+)$', re.M)
 COUNT = re.compile(r'^pdserve_worker_kv_transfer_seconds_count\{role="prefill"[^}]*\} (\S+)$', re.M)
