@@ -1,18 +1,18 @@
 """What this machine can run on the GPU path, and why not when it cannot.
 
 Each check returns ``(usable, reason)``: the reason names the device or version when usable,
-the cause when not. Checks never raise and import optional packages (flashinfer, cupy) only
-when called, so importing this module costs nothing beyond torch. The attention backends,
+the cause when not. Checks never raise and import optional packages (flashinfer, cupy, nixl)
+only when called, so importing this module costs nothing beyond torch. The attention backends,
 ``make_backend``, the kvtransfer registry and ``bench/micro/gpu.py`` all ask here.
 
 Supported ranges: flashinfer 0.5–0.7 (the wrapper ``plan``/``run`` API this code is written
-against); cupy with NCCL for CUDA 12/13; CUDA IPC on Linux only.
+against); cupy with NCCL for CUDA 12/13; nixl-cu13 1.5 (CUDA 13).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
+import importlib.metadata
 from typing import Any
 
 Status = tuple[bool, str]
@@ -77,18 +77,17 @@ def cupy_nccl_status() -> Status:
     return True, f"cupy NCCL {version}"
 
 
-def cuda_ipc_status() -> Status:
-    """CUDA IPC between processes of one node, through torch's CUDA tensor reductions."""
-    if not sys.platform.startswith("linux"):
-        return False, f"CUDA IPC needs Linux, this is {sys.platform}"
-    cuda_ok, cuda_reason = cuda_status()
-    if not cuda_ok:
-        return False, f"no CUDA ({cuda_reason})"
+def nixl_gpu_status() -> Status:
+    """NIXL (``nixl-cu13``) on a CUDA machine, where the nixl backend moves KV in GPU memory.
+    (On CPU the backend needs only the package; ``kvtransfer.nixl_agent`` says so.)"""
+    _, problems = _cuda_module("nixl_cu13")
+    if problems:
+        return False, "; ".join(problems)
     try:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor  # noqa: F401
-    except Exception as exc:
-        return False, f"torch CUDA IPC reductions unavailable: {type(exc).__name__}: {exc}"
-    return True, f"CUDA IPC via torch ({cuda_reason})"
+        version = importlib.metadata.version("nixl-cu13")
+    except Exception:
+        version = "unknown"
+    return True, f"nixl-cu13 {version}"
 
 
 def _cuda_module(name: str) -> tuple[Any, list[str]]:

@@ -15,13 +15,11 @@ if TYPE_CHECKING:
     import torch
 
 # backend -> (sender, receiver) as "module.Class"; "host" is the design's name for host memory
-# over ZMQ. The GPU backends raise TransferError with engine.platform's reason where unusable.
+# over ZMQ. nccl raises TransferError with engine.platform's reason where it is unusable.
 _ZMQ = ("zmq_backend.ZmqKVSender", "zmq_backend.ZmqKVReceiver")
 _BACKENDS = {
     "zmq": _ZMQ,
     "host": _ZMQ,
-    "ucx": ("ucx_backend.UcxKVSender", "ucx_receiver.UcxKVReceiver"),
-    "cuda_ipc": ("cuda_ipc_backend.CudaIpcKVSender", "cuda_ipc_backend.CudaIpcKVReceiver"),
     "nccl": ("nccl_backend.NcclKVSender", "nccl_backend.NcclKVReceiver"),
     "nixl": ("nixl_backend.NixlKVSender", "nixl_receiver.NixlKVReceiver"),
 }
@@ -54,7 +52,7 @@ def make_receiver(
     backend: str, kv_layers: list[torch.Tensor], bind: str | None = None, **options: Any
 ) -> KVReceiver:
     """A receiver writing into ``kv_layers``; ``bind`` in the backend's address form (zmq, and
-    the control endpoint of cuda_ipc and nccl: ``tcp://127.0.0.1:0`` or ``ipc://...``; ucx:
-    ``ucx://127.0.0.1:0``), default loopback on a free port."""
+    nccl's control endpoint: ``tcp://127.0.0.1:0`` or ``ipc://...``; nixl ignores it), default
+    loopback on a free port."""
     cls = _classes(backend)[1]
     return cls(kv_layers, **options) if bind is None else cls(kv_layers, bind, **options)

@@ -112,7 +112,6 @@ def make_header(
     staged: Sequence[torch.Tensor],
     *,
     with_checksum: bool,
-    tag: int = 0,
     secret: bytes = b"",
 ) -> KVHeader:
     return KVHeader(
@@ -122,7 +121,6 @@ def make_header(
         dtype=dtype_name(staged[0].dtype),
         block_shape=list(staged[0].shape[1:]),
         checksum=checksum([as_bytes(t) for t in staged]) if with_checksum else None,
-        tag=tag,
         secret=secret,
     )
 

@@ -1,4 +1,5 @@
-"""The receiver half that ``cuda_ipc`` and ``nccl`` share (the sender is in ``gpu_sender``).
+"""The receiver half of the ``nccl`` backend's control machinery, apart from NCCL itself
+(``nccl_backend``); the sender half is in ``gpu_sender``.
 
 It binds a ZMQ ROUTER (its ``address``) and, on its own thread, answers senders::
 
@@ -6,16 +7,15 @@ It binds a ZMQ ROUTER (its ``address``) and, on its own thread, answers senders:
     layer count and checksum checked ─▶ DONE | FAILED
 
 A Begin is granted only while the request is PENDING with exactly those blocks, so a sender
-never starts writing into blocks the decode worker has given up on. Each backend supplies
-``status``, ``_on_hello`` (the handshake) and, for local GPU work, ``_on_begin``. Not run on a
-GPU yet.
+never starts writing into blocks the decode worker has given up on. ``nccl_backend`` supplies
+``status``, ``_on_hello`` (the handshake) and ``_on_begin`` (post the recvs); the tests drive
+this machinery on CPU through a loopback subclass. Not run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,6 @@ from pdserve.runtime.sockets import bound_address, make_socket
 log = logging.getLogger("pdserve.kvtransfer.gpu")
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
-RELEASE_GRACE_S = 2.0  # cuda_ipc: how long release() waits for a granted copy to land
 _IDLE_POLL_MS, _BUSY_POLL_MS = 50, 1
 
 
@@ -52,7 +51,6 @@ class Incoming:
 
 class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
     backend = "gpu"
-    wait_on_release = False  # cuda_ipc: a granted copy writes our blocks from another process
 
     def __init__(
         self,
@@ -100,16 +98,7 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
         return torch.cuda.Stream(self._device)
 
     def release(self, request_id: str) -> None:
-        if self.wait_on_release:
-            deadline = time.monotonic() + RELEASE_GRACE_S
-            while self._state(request_id) is KVPoll.TRANSFERRING:
-                if time.monotonic() > deadline:
-                    log.warning(
-                        "%s receiver: released %r while a granted copy may still write its "
-                        "blocks", self.backend, request_id,
-                    )  # fmt: skip
-                    break
-                time.sleep(0.001)
+        # a granted transfer lands in staging first and is scattered only while still wanted
         self._table.pop(request_id)
 
     def close(self) -> None:
@@ -118,11 +107,6 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
-
-    def _state(self, request_id: str) -> KVPoll | None:
-        with self._table.lock:
-            entry = self._table.get(request_id)
-            return None if entry is None else entry.state
 
     # ---- receiver thread ---------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,5 +1,5 @@
-"""The sender half that ``cuda_ipc`` and ``nccl`` share; the receiver half is in
-``gpu_receiver``, the control messages in ``gpu_wire``.
+"""The sender half of the ``nccl`` backend's control machinery, apart from NCCL itself
+(``nccl_backend``); the receiver half is in ``gpu_receiver``, the messages in ``gpu_wire``.
 
 Per transfer, on the sender's own thread::
 
@@ -9,8 +9,8 @@ Per transfer, on the sender's own thread::
             Done(rid, layers, checksum) to the receiver
 
 Sender DONE means the bytes are in the receiver's blocks (stronger than the host backends').
-Each backend supplies ``status``, ``_connect`` (the handshake) and ``_issue`` (the GPU work).
-Not run on a GPU yet.
+``nccl_backend`` supplies ``status``, ``_connect`` (the handshake) and ``_issue`` (the GPU
+work); the tests drive this machinery on CPU through a loopback subclass. Not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class GpuKVSender(table.TableBackedSender, KVSender):
         raise NotImplementedError
 
     def _connect(self, address: str, job: Job, deadline: float) -> Peer:
-        """Handshake with a new receiver (Hello → handles / communicator)."""
+        """Handshake with a new receiver (Hello → NcclUniqueId → the communicator)."""
         raise NotImplementedError
 
     def _issue(self, peer: Peer, job: Job, stream: torch.cuda.Stream) -> Flight:
@@ -165,7 +165,7 @@ class GpuKVSender(table.TableBackedSender, KVSender):
             reply = round_trip(peer.sock, begin, w.BeginReply, deadline, key=rid)
             if reply.session != peer.session:
                 self._drop_peer(address)
-                raise TransferError("the receiver restarted; its handles are stale")
+                raise TransferError("the receiver restarted; its communicator is stale")
             if not reply.ok:
                 raise TransferError(f"receiver declined: {reply.reason}")
             self._flights[rid] = self._launch(peer, job)

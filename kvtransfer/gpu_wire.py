@@ -1,11 +1,10 @@
-"""What the GPU transfer backends (``cuda_ipc``, ``nccl``) say over their ZMQ control channel,
-how CUDA IPC handles travel, and the device-side checksum.
+"""What the ``nccl`` backend says over its ZMQ control channel, and the device-side checksum.
 
 Control channel: the receiver binds a ROUTER (its ``address``), each sender a DEALER::
 
     sender                                       receiver
-    Hello(backend, layout, pid, gpu) ──────────▶ checks the layout (and, nccl, distinct GPUs)
-                                     ◀────────── IpcHandles(...)  | NcclUniqueId(...) | Refused
+    Hello(backend, layout, pid, gpu) ──────────▶ checks the layout and that the GPUs differ
+                                     ◀────────── NcclUniqueId(...) | Refused
     Begin(rid, dst_ids) ───────────────────────▶ grants it only while rid is PENDING with
                                      ◀────────── BeginReply(ok)     exactly these blocks
     ...KV moves on the GPU...
@@ -13,7 +12,7 @@ Control channel: the receiver binds a ROUTER (its ``address``), each sender a DE
 
 Each message is one msgpack frame ``{"type": tag, "v": WIRE_VERSION, fields...}``, decoded as
 strictly as ``protocol`` messages (same field checks); nothing is ever unpickled. The tags
-live here, not in ``protocol.messages``, because only these two backends speak them.
+live here, not in ``protocol.messages``, because only this backend speaks them.
 """
 
 from __future__ import annotations
@@ -34,38 +33,11 @@ WIRE_VERSION = 1
 
 
 @dataclass(frozen=True)
-class IpcTensor:
-    """One CUDA tensor as ``torch.multiprocessing.reductions.reduce_tensor`` shares it."""
-
-    shape: list[int]
-    stride: list[int]
-    offset: int  # elements into its storage
-    storage_kind: str  # "TypedStorage" | "UntypedStorage"
-    dtype: str
-    device: int  # the exporter's device index (the importer maps the GPU by uuid)
-    handle: bytes  # cudaIpcMemHandle of the allocation holding the storage
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-
-
-@dataclass(frozen=True)
 class Hello:
-    backend: str  # "cuda_ipc" | "nccl"
+    backend: str  # "nccl"; a receiver refuses another backend's Hello
     layout: KVLayout
     pid: int
     gpu: str  # the sender's GPU uuid ("" if unknown)
-
-
-@dataclass(frozen=True)
-class IpcHandles:
-    session: str  # changes when the receiver restarts: handles must be opened again
-    pid: int
-    gpu: str
-    layers: list[IpcTensor]
 
 
 @dataclass(frozen=True)
@@ -103,7 +75,6 @@ class Done:
 
 TAGS: dict[type, str] = {
     Hello: "gpu_hello",
-    IpcHandles: "ipc_handles",
     NcclUniqueId: "nccl_unique_id",
     Refused: "gpu_refused",
     Begin: "gpu_begin",
@@ -149,70 +120,7 @@ def require(status: tuple[bool, str], backend: str) -> None:
         raise TransferError(f"{backend} KV transfer is unusable here: {reason}")
 
 
-# ---- CUDA IPC handles --------------------------------------------------------------------------
-
-_STORAGE_KINDS = {
-    "TypedStorage": torch.storage.TypedStorage,
-    "UntypedStorage": torch.UntypedStorage,
-}
-
-
-def ipc_tensor_from_reduction(rebuild: Any, args: tuple) -> IpcTensor:
-    """``reduce_tensor``'s output as data; ``ValueError`` for a reduction this code does not
-    know (a CPU tensor, or a torch whose ``rebuild_cuda_tensor`` arguments changed)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    if rebuild is not rebuild_cuda_tensor or len(args) != 15:
-        raise ValueError(
-            f"not a CUDA tensor reduction this torch ({torch.__version__}) path understands"
-        )
-    (_, size, stride, offset, storage_cls, dtype, device, handle, size_bytes, offset_bytes,
-     _, ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
-    kind = storage_cls.__name__
-    if _STORAGE_KINDS.get(kind) is not storage_cls:
-        raise ValueError(f"unexpected storage class {storage_cls!r}")
-    return IpcTensor(
-        shape=list(size),
-        stride=list(stride),
-        offset=int(offset),
-        storage_kind=kind,
-        dtype=str(dtype).removeprefix("torch."),
-        device=int(device),
-        handle=bytes(handle),
-        storage_size_bytes=int(size_bytes),
-        storage_offset_bytes=int(offset_bytes),
-        ref_counter_handle=bytes(ref_handle),
-        ref_counter_offset=int(ref_offset),
-        event_handle=None if event_handle is None else bytes(event_handle),
-        event_sync_required=bool(event_sync),
-    )
-
-
-def rebuild_args(t: IpcTensor, device: int) -> tuple:
-    """Arguments for ``rebuild_cuda_tensor`` opening ``t`` on local device ``device``."""
-    storage_cls = _STORAGE_KINDS.get(t.storage_kind)
-    if storage_cls is None:
-        raise ValueError(f"unknown storage kind {t.storage_kind!r}")
-    dtype = getattr(torch, t.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {t.dtype!r}")
-    return (
-        torch.Tensor, torch.Size(t.shape), tuple(t.stride), t.offset, storage_cls, dtype,
-        device, t.handle, t.storage_size_bytes, t.storage_offset_bytes, False,
-        t.ref_counter_handle, t.ref_counter_offset, t.event_handle, t.event_sync_required,
-    )  # fmt: skip
-
-
-def export_tensor(t: torch.Tensor) -> IpcTensor:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return ipc_tensor_from_reduction(*reduce_tensor(t))
-
-
-def open_tensor(t: IpcTensor, device: int) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*rebuild_args(t, device))
+# ---- GPUs, layers and checksum -------------------------------------------------------------------
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -221,19 +129,6 @@ def gpu_uuid(device: torch.device) -> str:
         return str(torch.cuda.get_device_properties(device).uuid)
     except Exception:
         return ""
-
-
-def local_device_for(uuid: str, fallback: int) -> int | None:
-    """This process's index of the GPU with ``uuid``; ``fallback`` when uuids are unknown."""
-    if not uuid:
-        return fallback
-    for i in range(torch.cuda.device_count()):
-        if gpu_uuid(torch.device("cuda", i)) == uuid:
-            return i
-    return None
-
-
-# ---- layers and checksum ------------------------------------------------------------------------
 
 
 def check_device_layers(kv_layers: list[torch.Tensor]) -> KVLayout:

@@ -12,7 +12,7 @@ prefill/decode pair (sender rank 0, receiver rank 1), set up over the control ch
     request is still wanted: a released transfer never touches its blocks) ─▶ checksum ─▶ DONE
 
 The handshake and checks are ``gpu_sender`` / ``gpu_receiver``; the messages ``gpu_wire``.
-NCCL needs one GPU per rank, so the two ends must be on different GPUs (one card: cuda_ipc).
+NCCL needs one GPU per rank, so the two ends must be on different GPUs (one card: nixl).
 Known hazards, from NCCL itself: cupy's communicator init holds the GIL until the peer joins
 (the receiver joins only after its reply is on the wire, the sender as soon as it reads it),
 and a peer that dies mid-transfer leaves the pair's stream waiting for ever. An injected
@@ -116,7 +116,7 @@ class NcclKVReceiver(GpuKVReceiver):
         if hello.gpu and hello.gpu == self._gpu:
             return w.Refused(
                 f"sender and receiver share GPU {hello.gpu}; NCCL needs one GPU per rank "
-                "(on one card use cuda_ipc)"
+                "(on one card use nixl)"
             )
         return w.NcclUniqueId(self.session, list(_nccl().get_unique_id()))
 

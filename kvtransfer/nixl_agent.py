@@ -9,9 +9,8 @@ peer needs to reach the cache (the agent's metadata and the region addresses:
 ``protocol.messages.KVRegions``) travels at registration over the authenticated control plane
 (``Register.kv_regions`` → coordinator → ``KVPeers``); nothing is pickled.
 
-UCX transports: ``UCX_TLS`` defaults to ``sm,cma,tcp`` here (shared memory and cross-memory
-attach between processes on one host, TCP for connection set-up and across hosts) unless the
-environment sets it; on a cluster set ``UCX_TLS`` (``rc,cuda_ipc,cuda_copy,tcp``...) and
+UCX transports: unless the environment sets ``UCX_TLS``, ``UCX_TLS`` below by the memory the
+cache is in; on a cluster set ``UCX_TLS`` (``rc,cuda_ipc,cuda_copy,tcp``...) and
 ``UCX_NET_DEVICES`` (``mlx5_0:1``...) as the README says.
 """
 
@@ -33,13 +32,15 @@ from pdserve.protocol.control import KVRegions
 
 log = logging.getLogger("pdserve.kvtransfer.nixl")
 
-UCX_DEFAULTS = {"UCX_TLS": "sm,cma,tcp"}
+# UCX transports by the memory the cache is in, unless the environment sets UCX_TLS: shared
+# memory and cross-memory attach between processes on one host, TCP to set up and across
+# hosts; GPU memory also needs UCX's CUDA transports (copies, and IPC between local GPUs)
+UCX_TLS = {"DRAM": "sm,cma,tcp", "VRAM": "sm,cma,cuda_copy,cuda_ipc,tcp"}
 MAX_PEERS = 1024  # agents one worker keeps loaded
 
 
-def _nixl_api() -> Any:
-    for key, value in UCX_DEFAULTS.items():  # read by UCX when the first agent starts
-        os.environ.setdefault(key, value)
+def _nixl_api(mem: str) -> Any:
+    os.environ.setdefault("UCX_TLS", UCX_TLS[mem])  # read by UCX when the agent starts
     try:
         import nixl_cu13._api as api
     except ImportError:
@@ -89,7 +90,7 @@ class NixlAgent:
         device = (first.device.index or 0) if self.mem == "VRAM" else 0
         self.num_blocks = first.shape[0]
         self.block_bytes = first[0].nbytes
-        api = _nixl_api()
+        api = _nixl_api(self.mem)
         self.name = f"pdserve-{role}-{os.getpid()}-{secrets.token_hex(4)}"
         self.lock = threading.Lock()
         # no progress thread: NIXL's spins a core (measured: 100% of one per idle worker); the

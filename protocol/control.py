@@ -58,7 +58,7 @@ class Register(Message):
     model: str
     control_address: str  # where the coordinator sends Reserve / PrefillJob / Abort
     transfer_address: str  # KV receiver address ("" for a prefill-only worker)
-    transfer_backend: str  # "zmq" | "ucx" | ...; paired workers must use the same one
+    transfer_backend: str  # "zmq" | "nixl" | ...; paired workers must use the same one
     layout: KVLayout
     num_blocks: int
     model_root: str = ""  # where the weights live (``root`` in /v1/models)

@@ -162,7 +162,7 @@ class Reserved(Message):
     error: str | None = None
     choice: int = 0
     free_blocks: int = -1  # the worker's free KV blocks after this answer (-1: unknown)
-    # random per reservation: the KV sender must present it (ucx, cuda_ipc, nccl have no CURVE)
+    # random per reservation: the KV sender must present it (nixl and nccl have no CURVE)
     transfer_secret: bytes = b""
     # leading blocks of ``block_ids`` the decode worker already holds (its prefix cache): the
     # prefill worker moves only the rest
@@ -295,5 +295,4 @@ class KVHeader(Message):
     dtype: str
     block_shape: list[int]  # [2, block_size, num_kv_heads, head_dim]
     checksum: bytes | None  # CRC-32 (big-endian) over every layer buffer in order, or None
-    tag: int = 0  # transport tag of the layer buffers (ucx); 0 where unused
     secret: bytes = b""  # the reservation's transfer secret: nothing else is accepted

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from pdserve.decode.record import DecodeState
-from pdserve.kvtransfer.ucx_backend import ucx_unavailable_reason
 from pdserve.prefill.worker import PrefillState
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
@@ -48,10 +47,8 @@ def test_greedy_through_the_cluster_equals_transformers(cluster_factory, tiny_di
         assert all(w.engine.block_manager.num_cached_blocks for w in cluster.workers.values())
 
 
-def test_ucx_transfer(cluster_factory, tiny_dir) -> None:
-    reason = ucx_unavailable_reason()
-    assert reason is None, reason  # `make test` installs ucxx
-    cluster = cluster_factory(backend="ucx")
+def test_nixl_transfer(cluster_factory, tiny_dir) -> None:
+    cluster = cluster_factory(backend="nixl")  # `make test` installs nixl-cu13
     batch = prompts(512, [5, 30], seed=3)
     for i, p in enumerate(batch):
         cluster.submit(f"r{i}", p, GREEDY)

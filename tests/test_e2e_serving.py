@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import re
 
 import httpx
@@ -190,15 +189,12 @@ def aborted_count(c: ServedCluster) -> float:
     "flags",
     [
         ("--prefill=2", "--decode=2"),
-        ("--transfer-backend=ucx",),
         ("--prefill=2", "--decode=2", "--transfer-backend=nixl"),
-        ("--mode=colocated", "--pin"),
+        ("--mode=colocated", "--pin", "--transfer-backend=nixl"),  # zmq: test_real_model
     ],
-    ids=["2P2D-zmq", "1P1D-ucx", "2P2D-nixl", "colocated-pinned-via-local.sh"],
+    ids=["2P2D-zmq", "2P2D-nixl", "colocated-nixl-pinned-via-local.sh"],
 )
 def test_cluster_shapes_give_the_same_tokens(tiny_dir, flags) -> None:
-    if "--transfer-backend=ucx" in flags:
-        importlib.import_module("ucxx")  # installed by `make test`: missing, this fails
     command = LOCAL_SH if "--mode=colocated" in flags else PDSERVE
     c = ServedCluster(tiny_dir, "--num-kv-blocks=256", *flags, command=command)
     try:

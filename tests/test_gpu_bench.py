@@ -14,14 +14,14 @@ CHECKS = [
     "device copy bandwidth",
     "bf16 matmul rate",
     "flashinfer vs torch attention (rel err)",
-    "greedy tokens, disagg cuda_ipc vs engine",
+    "greedy tokens, disagg nixl vs engine",
     "decode step, batch 1 (8B shapes)",
     "decode step, batch 8 (8B shapes)",
     "decode step, batch 64 (8B shapes)",
     "prefill 4,096 tokens (8B shapes)",
     "host syncs per decode step",
     "transformers.generate side by side",
-    "cuda_ipc transfer bandwidth",
+    "nixl transfer bandwidth",
     "nccl transfer",
     "TTFT / TPOT via pdserve bench",
     "layer-by-layer transfer overlap",
@@ -47,7 +47,7 @@ def test_without_cuda_every_row_is_skipped_with_its_reason(tmp_path) -> None:
     assert cuda_reason.endswith("is a CPU-only build") or cuda_reason == (
         "torch.cuda.is_available() is False (no driver or no visible GPU)"
     )
-    for name in ("flashinfer", "cuda_ipc", "nccl"):
+    for name in ("flashinfer", "nixl", "nccl"):
         assert caps[name][0] is False
         assert caps[name][1].startswith(f"no CUDA ({cuda_reason})")
     rows = result["rows"]

@@ -4,6 +4,7 @@ a GPU backend by name fails with that reason."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import types
@@ -26,7 +27,6 @@ GPU_MODULES = [
     "pdserve.kvtransfer.gpu_wire",
     "pdserve.kvtransfer.gpu_sender",
     "pdserve.kvtransfer.gpu_receiver",
-    "pdserve.kvtransfer.cuda_ipc_backend",
     "pdserve.kvtransfer.nccl_backend",
     "pdserve.bench.micro.gpu",
     "pdserve.bench.micro.gpu_model",
@@ -130,10 +130,18 @@ def test_cupy_nccl_status(monkeypatch, fake_gpu) -> None:
     assert platform.cupy_nccl_status() == (True, "cupy NCCL 22703")
 
 
-def test_cuda_ipc_status(monkeypatch, fake_gpu) -> None:
-    assert platform.cuda_ipc_status() == (True, f"CUDA IPC via torch ({fake_gpu})")
-    monkeypatch.setattr(sys, "platform", "darwin")
-    assert platform.cuda_ipc_status() == (False, "CUDA IPC needs Linux, this is darwin")
+def test_nixl_gpu_status(monkeypatch, fake_gpu) -> None:
+    monkeypatch.setitem(sys.modules, "nixl_cu13", None)
+    usable, reason = platform.nixl_gpu_status()
+    assert not usable and reason.startswith("nixl_cu13 is not installed (")
+    fake_module(monkeypatch, "nixl_cu13")
+    monkeypatch.setattr(importlib.metadata, "version", {"nixl-cu13": "1.5.1"}.__getitem__)
+    assert platform.nixl_gpu_status() == (True, "nixl-cu13 1.5.1")
+
+
+def test_nixl_gpu_status_without_cuda(no_cuda_build) -> None:
+    # `make test` installs nixl-cu13, so CUDA is all that is missing
+    assert platform.nixl_gpu_status() == (False, f"no CUDA ({no_cuda_build})")
 
 
 def test_make_backend_by_capability(monkeypatch, no_cuda_build) -> None:
@@ -157,12 +165,6 @@ def test_make_backend_by_capability(monkeypatch, no_cuda_build) -> None:
 
 def test_gpu_transfer_backends_name_the_reason(no_cuda_build) -> None:
     layers = [torch.zeros(4, 2, 4, 2, 8) for _ in range(2)]
-    for make in (lambda: make_sender("cuda_ipc"), lambda: make_receiver("cuda_ipc", layers)):
-        with pytest.raises(TransferError) as info:
-            make()
-        assert str(info.value) == (
-            f"cuda_ipc KV transfer is unusable here: no CUDA ({no_cuda_build})"
-        )
     for make in (lambda: make_sender("nccl"), lambda: make_receiver("nccl", layers)):
         with pytest.raises(TransferError) as info:
             make()

@@ -1,7 +1,7 @@
-"""The GPU transfer backends' control protocol on CPU: their wire messages, the IPC handle
-mapping, the device checksum, and the shared sender/receiver machinery (handshake, grants,
-layer and checksum checks, faults) driven end to end over real ZMQ by a loopback backend
-whose only stand-in is the copy itself (a CPU index copy instead of CUDA IPC or NCCL)."""
+"""The nccl backend's control protocol on CPU: its wire messages, the device checksum, and the
+sender/receiver machinery around NCCL (handshake, grants, layer and checksum checks, faults)
+driven end to end over real ZMQ by a loopback backend whose only stand-in is the transfer
+itself (a CPU index copy instead of NCCL's sends and recvs)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ import msgpack
 import pytest
 import torch
 import zmq
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from pdserve.kvtransfer import common
 from pdserve.kvtransfer import gpu_wire as w
 from pdserve.kvtransfer.base import KVPoll, TransferError, TransferSpec
-from pdserve.kvtransfer.cuda_ipc_backend import block_runs, copy_blocks
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.gpu_receiver import GpuKVReceiver
 from pdserve.kvtransfer.gpu_sender import Flight, GpuKVSender, Job, Peer, round_trip, sender_hello
@@ -38,11 +36,8 @@ def cache(seed: int, layers: int = 3, shape=SHAPE) -> list[torch.Tensor]:
 
 # ---- wire ----------------------------------------------------------------------------------------
 
-IPC = w.IpcTensor([8, 2, 4], [8, 4, 1], 0, "UntypedStorage", "bfloat16", 0, b"h" * 64, 128, 0,
-                  b"/torch_1_ref", 3, b"e" * 64, True)  # fmt: skip
 MESSAGES = [
-    w.Hello("cuda_ipc", LAYOUT, 42, "GPU-1234"),
-    w.IpcHandles("s1", 42, "GPU-1234", [IPC, IPC]),
+    w.Hello("nccl", LAYOUT, 42, "GPU-1234"),
     w.NcclUniqueId("s1", list(range(-64, 64))),
     w.Refused("no"),
     w.Begin("r1", [3, 1, 4]),
@@ -78,22 +73,6 @@ def test_wire_rejects_malformed() -> None:
         w.encode(w.Begin("r1", ["x"]))  # type: ignore[list-item]
 
 
-def test_ipc_handles_as_data() -> None:
-    args = (
-        torch.Tensor, torch.Size([8, 2, 4]), (8, 4, 1), 0, torch.UntypedStorage, torch.bfloat16,
-        0, b"h" * 64, 128, 0, False, b"/torch_1_ref", 3, b"e" * 64, True,
-    )  # fmt: skip
-    assert w.ipc_tensor_from_reduction(rebuild_cuda_tensor, args) == IPC
-    assert w.rebuild_args(IPC, 2) == (*args[:6], 2, *args[7:])
-    with pytest.raises(ValueError, match=r"not a CUDA tensor reduction"):
-        w.ipc_tensor_from_reduction(*reduce_tensor(torch.zeros(2)))
-    with pytest.raises(ValueError, match=r"unexpected storage class"):
-        w.ipc_tensor_from_reduction(rebuild_cuda_tensor, (*args[:4], dict, *args[5:]))
-    for bad in ({"storage_kind": "load"}, {"dtype": "nn"}):
-        with pytest.raises(ValueError, match=r"unknown (storage kind 'load'|dtype 'nn')"):
-            w.rebuild_args(w.IpcTensor(**{**IPC.__dict__, **bad}), 0)
-
-
 def test_device_checksum() -> None:
     digest = w.DeviceChecksum()
     a = cache(0)
@@ -108,22 +87,6 @@ def test_device_checksum() -> None:
     assert digest(a, [1, 3]) != digest(b, [6, 2])
     f32 = [t.float() for t in a]
     assert digest(f32, [0, 1]) != digest(f32, [1, 0])
-
-
-def test_block_runs_and_copies() -> None:
-    assert block_runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 7]) == [(4, 0, 3), (9, 3, 2), (2, 7, 1)]
-    assert block_runs([3, 2, 1], [0, 1, 2]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
-    assert block_runs([0], [5]) == [(0, 5, 1)]
-    src_ids, dst_ids = [4, 5, 6, 1], [0, 1, 2, 7]
-    for max_runs in (32, 0):  # run copies, then gather + scatter
-        src, dst = cache(3), cache(4)
-        before = [t.clone() for t in dst]
-        copy_blocks(src[:2], dst, src_ids, dst_ids, max_runs=max_runs)  # 2 of 3 layers
-        for i in range(2):
-            assert torch.equal(dst[i][dst_ids], src[i][src_ids])
-            others = [b for b in range(SHAPE[0]) if b not in dst_ids]
-            assert torch.equal(dst[i][others], before[i][others])
-        assert torch.equal(dst[2], before[2])
 
 
 # ---- the shared machinery, over a loopback backend -------------------------------------------
@@ -145,11 +108,17 @@ class LoopReceiver(GpuKVReceiver):
         return None
 
     def _on_hello(self, identity, hello):
-        return w.IpcHandles(self.session, 0, "", [])
+        return w.NcclUniqueId(self.session, [])
+
+
+def copy_blocks(src_layers, dst_layers, src_ids, dst_ids) -> None:
+    """dst[l][dst_ids] = src[l][src_ids] for every layer given (what NCCL's transfer lands)."""
+    for src, dst in zip(src_layers, dst_layers, strict=False):
+        dst[dst_ids] = src[src_ids]
 
 
 class LoopSender(GpuKVSender):
-    """Copies straight into the receiver's tensors (what CUDA IPC's opened handles give)."""
+    """Copies straight into the receiver's tensors, where NCCL would send them."""
 
     backend = "loop"
     status = staticmethod(lambda: (True, "test"))
@@ -168,7 +137,7 @@ class LoopSender(GpuKVSender):
     def _connect(self, address: str, job: Job, deadline: float) -> Peer:
         self.hellos += 1
         sock = self._dealer(address)
-        reply = round_trip(sock, sender_hello(self.backend, job), w.IpcHandles, deadline)
+        reply = round_trip(sock, sender_hello(self.backend, job), w.NcclUniqueId, deadline)
         return Peer(address, sock, reply.session, data=self.targets[address])
 
     def _launch(self, peer: Peer, job: Job) -> Flight:
@@ -281,9 +250,9 @@ def test_handshake_refusals_and_garbage(pair) -> None:
         other = KVLayout(block_size=16, dtype="bfloat16", num_layers=3, num_kv_heads=2, head_dim=8)
         refused = r"receiver refused: KV layouts of sender and receiver differ: block_size "
         with pytest.raises(TransferError, match=refused + r"sender=16 receiver=4$"):
-            round_trip(raw, w.Hello("loop", other, 1, ""), w.IpcHandles, deadline)
+            round_trip(raw, w.Hello("loop", other, 1, ""), w.NcclUniqueId, deadline)
         with pytest.raises(TransferError, match=r"refused: this receiver speaks loop, not nccl$"):
-            round_trip(raw, w.Hello("nccl", LAYOUT, 1, ""), w.IpcHandles, deadline)
+            round_trip(raw, w.Hello("nccl", LAYOUT, 1, ""), w.NcclUniqueId, deadline)
     assert transfer(pair)[:2] == (KVPoll.DONE, KVPoll.DONE)
 
 
@@ -293,45 +262,44 @@ def test_restarted_receiver_is_handshaken_again(pair) -> None:
     receiver.session = "restarted"
     sent, _, _ = transfer(pair, "r2", expect=False)
     assert sent is KVPoll.FAILED
-    assert sender.failure_reason("r2").endswith("the receiver restarted; its handles are stale")
+    assert sender.failure_reason("r2").endswith("the receiver restarted; its communicator is stale")
     assert transfer(pair, "r3")[:2] == (KVPoll.DONE, KVPoll.DONE)
     assert sender.hellos == 2
 
 
-class IpcLikeReceiver(LoopReceiver):
-    wait_on_release = True  # as cuda_ipc: a granted copy cannot be recalled
+class StagingReceiver(LoopReceiver):
+    """Like nccl: a granted transfer lands in staging, scattered into the blocks by ``finish``."""
+
+    def __init__(self, *args, **kw) -> None:
+        self.scattered: list[str] = []
+        super().__init__(*args, **kw)
+
+    def _on_begin(self, identity, begin, incoming):
+        incoming.finish = lambda: self.scattered.append(begin.request_id)
+        return None
 
 
-def test_granted_copy_is_waited_for_on_release(monkeypatch, caplog) -> None:
-    import threading
-
-    from pdserve.kvtransfer import gpu_receiver
-
-    monkeypatch.setattr(gpu_receiver, "RELEASE_GRACE_S", 1.0)
-    receiver = IpcLikeReceiver(cache(1))
+def test_a_released_grant_is_never_scattered() -> None:
+    receiver = StagingReceiver(cache(1))
     ctx = zmq.Context.instance()
     try:
         with ctx.socket(zmq.DEALER) as raw:
             raw.setsockopt(zmq.LINGER, 0)
             raw.connect(receiver.address)
             deadline = time.monotonic() + 60
-            round_trip(raw, w.Hello("loop", LAYOUT, 1, ""), w.IpcHandles, deadline)
-            for rid in ("r1", "r2"):
-                begin = w.Begin(rid, [2, 3], receiver.expect(rid, [2, 3], 60.0))
+            round_trip(raw, w.Hello("loop", LAYOUT, 1, ""), w.NcclUniqueId, deadline)
+            for rid, blocks in (("r1", [2, 3]), ("r2", [4])):
+                begin = w.Begin(rid, blocks, receiver.expect(rid, blocks, 60.0))
                 reply = round_trip(raw, begin, w.BeginReply, deadline, key=rid)
                 assert reply.ok and receiver.poll(rid) is KVPoll.TRANSFERRING
-            # r1: the sender never says Done: release waits out the grace, then lets go, saying
-            # so (it says it only once the grace has passed)
-            receiver.release("r1")
-            assert "released 'r1' while a granted copy may still write" in caplog.text
-            # r2: Done lands while release waits: it returns as soon as the copy is in (had
-            # the grace run out instead, release would have said so before returning); the
-            # grace is far longer than the Done can take to land on a loaded machine
-            monkeypatch.setattr(gpu_receiver, "RELEASE_GRACE_S", 120.0)
-            threading.Timer(0.05, lambda: raw.send(w.encode(w.Done("r2", 3, None)))).start()
-            receiver.release("r2")
-            assert "released 'r2'" not in caplog.text
-        # nothing is kept for released transfers (once the receiver thread has seen them go)
+            receiver.release("r1")  # granted, its bytes on the way: they must land nowhere
+            raw.send(w.encode(w.Done("r1", 3, None)))
+            raw.send(w.encode(w.Done("r2", 3, None)))
+            assert wait(lambda: receiver.poll("r2")) is KVPoll.DONE
+        assert receiver.scattered == ["r2"]
+        with pytest.raises(TransferError, match=r"unknown request id 'r1'"):
+            receiver.poll("r1")
+        # nothing is kept for the released transfer (once the receiver thread has seen it go)
         assert wait_for(lambda: receiver._incoming == {}), receiver._incoming
     finally:
         receiver.close()

@@ -223,7 +223,6 @@ SAMPLES = [
         dtype="float32",
         block_shape=[2, 16, 2, 16],
         checksum=b"\x01" * 16,
-        tag=77,
     ),
 ]
 

@@ -144,8 +144,9 @@ def _open(
         # dialled once now, not first on the heartbeat thread: a malformed address is a
         # start-up error rather than a traceback from a running worker
         make_socket(ctx, zmq.PUSH, args.coordinator, bind=False).close()
-        # the KV sockets (zmq, and the GPU backends' control socket) share this context's keys
-        zmq_kv = args.transfer_backend not in ("ucx", "nixl")
+        # the KV sockets (zmq, and nccl's control socket) share this context's keys; nixl
+        # opens no ZMQ socket
+        zmq_kv = args.transfer_backend != "nixl"
         options: dict[str, object] = {"ctx": ctx} if zmq_kv else {}
         outbox = PushOutbox(ctx, args.coordinator)
         return control, outbox, build(args, WorkerContext(engine, worker_id, outbox, options))

@@ -7,7 +7,7 @@ Rows, in order (bench/micro/gpu_model.py, gpu_attention.py, gpu_serving.py):
 
     device copy bandwidth / bf16 matmul rate     the card's measured limits (what MBU/MFU use)
     flashinfer vs torch attention                relative error on random ragged bf16 batches
-    greedy tokens, disagg cuda_ipc vs engine     ``pdserve serve --device cuda`` (1P1D, one
+    greedy tokens, disagg nixl vs engine         ``pdserve serve --device cuda`` (1P1D, one
                                                  card) against the in-process engine, small model
     decode step, batch 1 / 8 / 64                random bf16 model with Llama-3-8B's shapes:
                                                  step time against (weights + KV read) / copy
@@ -15,9 +15,9 @@ Rows, in order (bench/micro/gpu_model.py, gpu_attention.py, gpu_serving.py):
     prefill 4,096 tokens                         one step against the bf16 matmul rate = MFU
     host syncs per decode step                   torch's sync debug mode counts them
     transformers.generate side by side           the same shapes, batch 1, 512 + 128 tokens
-    cuda_ipc transfer bandwidth                  prefill to decode process, one card, 512 MiB
+    nixl transfer bandwidth                      prefill to decode process, one card, 512 MiB
     nccl transfer                                two GPUs: two processes; one: one rank to itself
-    TTFT / TPOT via pdserve bench                the cuda_ipc cluster above
+    TTFT / TPOT via pdserve bench                the nixl cluster above
     layer-by-layer transfer overlap              whether it is on
 
 Without CUDA it exits 0 at once, every row ``skipped: <reason>`` (from engine/platform.py).
@@ -45,7 +45,7 @@ class Row:
     key: str
     check: str
     aim: str
-    needs: str  # the capability it runs on: cuda | flashinfer | cuda_ipc | nccl
+    needs: str  # the capability it runs on: cuda | flashinfer | nixl | nccl
     result: str = ""
 
 
@@ -54,16 +54,16 @@ def rows() -> list[Row]:
         Row("copy_bw", "device copy bandwidth", "", "cuda"),
         Row("matmul", "bf16 matmul rate", "", "cuda"),
         Row("attention", "flashinfer vs torch attention (rel err)", "< 1e-2", "flashinfer"),
-        Row("greedy", "greedy tokens, disagg cuda_ipc vs engine", "all equal", "cuda_ipc"),
+        Row("greedy", "greedy tokens, disagg nixl vs engine", "all equal", "nixl"),
         Row("decode_1", "decode step, batch 1 (8B shapes)", "MBU >= 80%", "cuda"),
         Row("decode_8", "decode step, batch 8 (8B shapes)", "", "cuda"),
         Row("decode_64", "decode step, batch 64 (8B shapes)", "", "cuda"),
         Row("prefill", "prefill 4,096 tokens (8B shapes)", "MFU >= 50%", "cuda"),
         Row("syncs", "host syncs per decode step", "<= 1", "cuda"),
         Row("transformers", "transformers.generate side by side", "", "cuda"),
-        Row("ipc_bw", "cuda_ipc transfer bandwidth", ">= 70% of copy", "cuda_ipc"),
+        Row("nixl_bw", "nixl transfer bandwidth", ">= 70% of copy", "nixl"),
         Row("nccl", "nccl transfer", "bytes equal", "nccl"),
-        Row("ttft_tpot", "TTFT / TPOT via pdserve bench", "", "cuda_ipc"),
+        Row("ttft_tpot", "TTFT / TPOT via pdserve bench", "", "nixl"),
         Row("overlap", "layer-by-layer transfer overlap", "on for long prompts", "cuda"),
     ]
 
@@ -72,7 +72,7 @@ def capabilities() -> dict[str, tuple[bool, str]]:
     return {
         "cuda": platform.cuda_status(),
         "flashinfer": platform.flashinfer_status(),
-        "cuda_ipc": platform.cuda_ipc_status(),
+        "nixl": platform.nixl_gpu_status(),
         "nccl": platform.cupy_nccl_status(),
     }
 
@@ -90,7 +90,7 @@ def run_sections(table: dict[str, Row], caps: dict[str, tuple[bool, str]]) -> No
             lambda: gpu_model.llama8b_rows(work),
         ),
         (["greedy", "ttft_tpot"], gpu_serving.serving_rows),
-        (["ipc_bw"], lambda: gpu_serving.ipc_bandwidth(work)),
+        (["nixl_bw"], lambda: gpu_serving.nixl_bandwidth(work)),
         (["nccl"], gpu_serving.nccl_row),
         (["overlap"], lambda: {"overlap": gpu_serving.OVERLAP}),
     ]

@@ -1,14 +1,15 @@
 """gpu.py's serving and transfer rows: greedy tokens and TTFT/TPOT through a real
-``pdserve serve --device cuda --transfer-backend cuda_ipc`` cluster (1 prefill + 1 decode
+``pdserve serve --device cuda --transfer-backend nixl`` cluster (1 prefill + 1 decode
 worker sharing the card, built-in ``small`` model, bf16), and the KV transfer backends between
-two processes (cuda_ipc on one card; nccl across two cards, or one rank to itself on one).
-NOT yet run on a GPU.
+two processes (nixl on one card, GPU memory read over UCX's CUDA transports; nccl across two
+cards, or one rank to itself on one). NOT yet run on a GPU.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import subprocess
 import tempfile
 import time
@@ -18,11 +19,15 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.experiments.cluster import ServeProcess
+from pdserve.bench.micro.kv_curve import peers_of, regions_frames
 
 OVERLAP = (
-    "off: the prefill worker pushes KV after the prompt's last chunk (the GPU senders wait "
-    "on a CUDA event per send, so a per-layer send can slot in)"
+    "off: the prefill worker hands KV over after the prompt's last chunk (nccl's sender waits "
+    "on a CUDA event per send, so a per-layer send could slot in there)"
 )
+# UCX moves GPU memory only over its CUDA transports; nixl_agent's default (sm,cma,tcp) is for
+# host memory. Set before any NIXL agent starts here or in a child (they inherit it).
+GPU_UCX_TLS = "sm,cma,cuda_copy,cuda_ipc,tcp"
 SERVE_FLAGS = ["--device=cuda", "--dtype=bfloat16", "--kv-cache-memory=2G"]
 GREEDY_PROMPTS, GREEDY_TOKENS = [5, 17, 64, 200, 333, 512, 1000, 2048], 32
 
@@ -47,9 +52,10 @@ def serving_rows() -> dict[str, str]:
     from pdserve.models.make_model import default_model_dir
 
     model = default_model_dir("small")
+    os.environ.setdefault("UCX_TLS", GPU_UCX_TLS)
     with tempfile.TemporaryDirectory() as tmp:
         # flashinfer JIT and CUDA graph capture, twice: allow 15 minutes
-        flags = [*SERVE_FLAGS, "--transfer-backend=cuda_ipc", "--ready-timeout=900"]
+        flags = [*SERVE_FLAGS, "--transfer-backend=nixl", "--ready-timeout=900"]
         cluster = ServeProcess(model, flags, log=Path(tmp) / "serve.log", ready_timeout_s=900)
         try:
             return {
@@ -134,7 +140,9 @@ def _receiver_main(conn, backend: str, device: int) -> None:
         torch.cuda.set_device(device)
     layers = [_layer(torch.zeros) for _ in range(LAYERS)]
     with make_receiver(backend, layers) as receiver:
-        conn.send(receiver.address)
+        conn.send((receiver.address, regions_frames("decode", receiver)))
+        if peers := conn.recv():  # nixl: the sender's regions, as the coordinator announces them
+            receiver.update_peers(peers_of(peers), [])
         while (msg := conn.recv()) is not None:
             rid, src_ids, dst_ids = msg
             conn.send(receiver.expect(rid, dst_ids, 60.0))  # ready: the transfer secret
@@ -156,6 +164,7 @@ def _transfers(backend: str, receiver_device: int) -> list[tuple[str, float, boo
     from pdserve.kvtransfer import make_sender
     from pdserve.kvtransfer.base import KVPoll, TransferSpec
 
+    os.environ.setdefault("UCX_TLS", GPU_UCX_TLS)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_receiver_main, args=(child_conn, backend, receiver_device))
@@ -164,13 +173,18 @@ def _transfers(backend: str, receiver_device: int) -> list[tuple[str, float, boo
     try:
         if not conn.poll(300):
             raise RuntimeError(f"{backend} receiver process did not start")
-        address = conn.recv()
+        address, receiver_peers = conn.recv()
         src = [_layer(torch.empty) for _ in range(LAYERS)]
         _pattern(src)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         g = torch.Generator().manual_seed(0)
-        with make_sender(backend) as sender:
+        # nixl registers the cache it offers from and loads the reader's regions up front
+        options = {"kv_layers": src} if backend == "nixl" else {}
+        with make_sender(backend, **options) as sender:
+            if receiver_peers:
+                sender.update_peers(peers_of(receiver_peers), [])
+            conn.send(regions_frames("prefill", sender))
             for i in range(6):  # the first one pays for the handshake
                 kind = "scattered" if i % 2 else "contiguous"
                 if kind == "contiguous":
@@ -215,9 +229,9 @@ def _rate_row(results: list[tuple[str, float, bool]], copy_rate: float | None) -
     return f"{', '.join(parts)} ({nbytes >> 20} MiB, {right})"
 
 
-def ipc_bandwidth(work: dict) -> dict[str, str]:
-    results = _transfers("cuda_ipc", torch.cuda.current_device())
-    return {"ipc_bw": _rate_row(results, work.get("copy_rate"))}
+def nixl_bandwidth(work: dict) -> dict[str, str]:
+    results = _transfers("nixl", torch.cuda.current_device())
+    return {"nixl_bw": _rate_row(results, work.get("copy_rate"))}
 
 
 def nccl_row() -> dict[str, str]:
