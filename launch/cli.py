@@ -81,6 +81,13 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "add_keygen_args",
         "run_keygen",
     ),
+    "keys": _role(
+        "keys",
+        "add or revoke a tenant's API keys in a tenants file",
+        "pdserve.launch.keys",
+        "add_keys_args",
+        "run_keys",
+    ),
     "serve": _role(
         "serve", "every role on this machine", "pdserve.launch.serve", "add_serve_args", "run_serve"
     ),
