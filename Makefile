@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 # Debian packages the tests use for real (command:package): a C compiler for the CPU kernel and
 # torch.compile, iproute2 for the network-namespace test. Installed when a command is missing.
-SYSTEM_TOOLS := cc:gcc ip:iproute2
+SYSTEM_TOOLS := cc:gcc ip:iproute2 redis-server:redis-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv test lint typecheck serve clean

@@ -88,6 +88,13 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "add_keys_args",
         "run_keys",
     ),
+    "usage": _role(
+        "usage",
+        "each tenant's token and request totals from a usage record",
+        "pdserve.launch.usage",
+        "add_usage_args",
+        "run_usage",
+    ),
     "serve": _role(
         "serve", "every role on this machine", "pdserve.launch.serve", "add_serve_args", "run_serve"
     ),

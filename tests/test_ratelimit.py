@@ -23,7 +23,7 @@ from pdserve.gateway.ratelimit import (
     headers,
     retry_after,
 )
-from pdserve.gateway.ratelimit_store import UNITS, Levels, MemoryStore, Taken
+from pdserve.gateway.ratelimit_store import UNITS, Levels, LimiterStore, MemoryStore, Taken
 
 
 class FakeClock:
@@ -40,8 +40,14 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def limiter(clock: FakeClock) -> RateLimiter:
-    return RateLimiter(MemoryStore(clock))
+def store(clock: FakeClock) -> LimiterStore:
+    """The store under test; ``test_ratelimit_redis`` runs these tests again over Redis."""
+    return MemoryStore(clock)
+
+
+@pytest.fixture
+def limiter(store: LimiterStore) -> RateLimiter:
+    return RateLimiter(store)
 
 
 def admitted(decision: Decision) -> Reservation:
@@ -311,10 +317,10 @@ def test_bad_counts_are_refused(limiter: RateLimiter) -> None:
     assert limiter.finish(reservation, 1) is not None  # the bad finish changed nothing
 
 
-def test_the_store_settles_a_reservation_once(clock: FakeClock) -> None:
+def test_the_store_settles_a_reservation_once(store: LimiterStore) -> None:
     """The store's own contract, which a Redis store must keep too: ``take`` is all or
     nothing, and a reservation id is settled once however often it is named."""
-    store, limits = MemoryStore(clock), Limits(requests_per_minute=2, tokens_per_minute=100)
+    limits = Limits(requests_per_minute=2, tokens_per_minute=100)
     assert store.take("t", limits, 60, "a") == Taken(None, 0, Levels(60_000, 40 * UNITS, 1))
     refused = store.take("t", limits, 50, "b")  # 10 tokens short at 100/min: 6 s
     assert refused == Taken(LimitKind.TOKENS, 6_000, Levels(60_000, 40 * UNITS, 1))
