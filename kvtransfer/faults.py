@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
 MODES = ("drop", "delay", "truncate", "corrupt")
 
@@ -41,6 +43,13 @@ class FaultPlan:
         return cls(mode, rate, delay)
 
 
+class FaultableJob(Protocol):
+    """What a queued job carries of its injected fault."""
+
+    fault: str | None
+    not_before: float
+
+
 class FaultDice:
     """Decides, reproducibly and thread-safely, which transfers a plan hits."""
 
@@ -52,3 +61,10 @@ class FaultDice:
     def hit(self) -> bool:
         with self._lock:
             return self._rng.random() < self.plan.rate
+
+    def mark(self, job: FaultableJob) -> None:
+        """Mark ``job`` with the plan's fault when the dice hit it (a delay: when it may go)."""
+        if self.hit():
+            job.fault = self.plan.mode
+            if job.fault == "delay":
+                job.not_before = time.monotonic() + self.plan.delay_s

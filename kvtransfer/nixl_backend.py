@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,10 +103,8 @@ class NixlKVSender(table.TableBacked, KVSender):
         common.check_block_ids(spec.src_block_ids, self._nixl.num_blocks, spec.request_id)
         offer = _Offer(spec, self._header(spec, kv_layers))
         self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
-        if self._dice is not None and self._dice.hit():
-            offer.fault = self._dice.plan.mode
-            if offer.fault == "delay":
-                offer.not_before = time.monotonic() + self._dice.plan.delay_s
+        if self._dice is not None:
+            self._dice.mark(offer)
         self._jobs.put(offer)
         self._wake.set()
 
@@ -156,15 +153,9 @@ class NixlKVSender(table.TableBacked, KVSender):
     def _offer(self, job: _Offer) -> bool:
         """Notify the reader of one transfer; False to retry it later."""
         rid = job.spec.request_id
-        entry = self._table.get(rid)
-        if entry is None or entry.state.finished:
-            return True  # released or timed out before it left
-        if job.fault == "drop":
-            log.warning("injected fault: dropping transfer %r", rid)
-            self._table.advance(rid, KVPoll.DONE)
-            return True
-        if time.monotonic() < job.not_before:
-            return False
+        state = table.gate(self._table, rid, job)
+        if state is not table.JobGate.GO:
+            return state is table.JobGate.OVER
         agent = job.spec.address.removeprefix(ADDRESS_PREFIX)
         if self._nixl.peer(agent) is None:
             return False  # its regions have not reached us yet: wait, up to the lease

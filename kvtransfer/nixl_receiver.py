@@ -105,13 +105,8 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
             return
         rid = header.request_id
         with self._table.lock:
-            entry = self._table.get(rid)
-            if entry is None or entry.state is not KVPoll.PENDING:
-                state = "unknown" if entry is None else entry.state.value
-                log.warning("nixl receiver: dropped an offer for %s request %r", state, rid)
-                return
-            if not table.secret_matches(entry, header.secret):
-                log.warning("nixl receiver: dropped an offer for %r without its secret", rid)
+            entry = self._pending(rid, header.secret, "an offer")
+            if entry is None:
                 return
             peer = self._nixl.peer(agent)
             if peer is None:  # registered after its first offer left: wait for its regions

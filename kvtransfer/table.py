@@ -11,6 +11,7 @@ secret) and what every backend builds on it: ``poll`` / ``failure_reason`` / ``r
 
 from __future__ import annotations
 
+import enum
 import hmac
 import logging
 import queue
@@ -20,14 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import zmq
 
 from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, TransferError
 from pdserve.kvtransfer.common import check_block_ids
-from pdserve.kvtransfer.faults import FaultDice, FaultPlan
+from pdserve.kvtransfer.faults import FaultableJob, FaultDice, FaultPlan
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -179,12 +180,40 @@ class TableBackedReceiver(TableBacked):
         self._table.add(request_id, timeout_s, dst_block_ids, secret)
         return secret
 
+    def _pending(self, request_id: str, secret: bytes, what: str) -> Entry | None:
+        """The entry a sender presenting ``secret`` may fill: expected and nothing arrived yet;
+        None otherwise (logged: ``what`` was dropped). The caller holds ``_table.lock``."""
+        entry, side = self._table.get(request_id), self._table.side
+        if entry is None or entry.state is not KVPoll.PENDING:
+            state = "unknown" if entry is None else entry.state.value
+            log.warning("%s: dropped %s for %s request %r", side, what, state, request_id)
+            return None
+        if not secret_matches(entry, secret):
+            log.warning("%s: dropped %s for %r without its secret", side, what, request_id)
+            return None
+        return entry
 
-class FaultableJob(Protocol):
-    """What a queued job carries of its injected fault (kvtransfer.faults)."""
 
-    fault: str | None
-    not_before: float
+class JobGate(enum.Enum):
+    """What a sender's thread does with a queued job now (``gate``)."""
+
+    OVER = "over"  # released or finished before it left, or dropped by an injected fault
+    WAIT = "wait"  # delayed by an injected fault: not yet
+    GO = "go"
+
+
+def gate(table: TransferTable, request_id: str, job: FaultableJob) -> JobGate:
+    """Whether a queued job still goes, shared by every threaded sender: a released or
+    finished transfer is over; a dropped one is DONE without leaving (the receiver times out);
+    a delayed one waits."""
+    entry = table.get(request_id)
+    if entry is None or entry.state.finished:
+        return JobGate.OVER
+    if job.fault == "drop":
+        log.warning("injected fault: dropping transfer %r", request_id)
+        table.advance(request_id, KVPoll.DONE)
+        return JobGate.OVER
+    return JobGate.WAIT if time.monotonic() < job.not_before else JobGate.GO
 
 
 class TableBackedSender(TableBacked):
@@ -209,10 +238,8 @@ class TableBackedSender(TableBacked):
 
     def _enqueue(self, job: FaultableJob) -> None:
         """Hand a job to the sender thread, marking it with this transfer's fault, if any."""
-        if self._dice is not None and self._dice.hit():
-            job.fault = self._dice.plan.mode
-            if job.fault == "delay":
-                job.not_before = time.monotonic() + self._dice.plan.delay_s
+        if self._dice is not None:
+            self._dice.mark(job)
         self._jobs.put(job)
         self._wake_w.send(b"\0")
 

@@ -15,7 +15,6 @@ request, then scatters straight from zmq's frames.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -107,15 +106,9 @@ class ZmqKVSender(table.TableBackedSender, KVSender):
     def _push(self, job: _Job, sockets: dict, trackers: dict) -> bool:
         """Hand one job to zmq; False to retry it later (no connection yet, queue full)."""
         rid, address = job.spec.request_id, job.spec.address
-        entry = self._table.get(rid)
-        if entry is None or entry.state.finished:
-            return True  # released or timed out before it left
-        if job.fault == "drop":
-            log.warning("injected fault: dropping transfer %r", rid)
-            self._table.advance(rid, KVPoll.DONE)
-            return True
-        if time.monotonic() < job.not_before:
-            return False
+        state = table.gate(self._table, rid, job)
+        if state is not table.JobGate.GO:
+            return state is table.JobGate.OVER
         try:
             sock = sockets.get(address)
             if sock is None:
@@ -200,13 +193,8 @@ class ZmqKVReceiver(table.TableBackedReceiver, KVReceiver):
             return
         rid = header.request_id
         with self._table.lock:
-            entry = self._table.get(rid)
-            if entry is None or entry.state is not KVPoll.PENDING:
-                state = "unknown" if entry is None else entry.state.value
-                log.warning("zmq receiver: dropped a transfer for %s request %r", state, rid)
-                return
-            if not table.secret_matches(entry, header.secret):
-                log.warning("zmq receiver: dropped a transfer for %r without its secret", rid)
+            entry = self._pending(rid, header.secret, "a transfer")
+            if entry is None:
                 return
             self._table.advance(rid, KVPoll.TRANSFERRING)
             dst_ids = entry.block_ids

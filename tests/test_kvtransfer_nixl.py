@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,20 +16,7 @@ from pdserve.kvtransfer import make_receiver, make_sender
 from pdserve.kvtransfer.base import KVPoll, KVReceiver, KVSender, TransferError, TransferSpec
 from pdserve.kvtransfer.faults import FaultPlan
 from tests.gateway_util import wait_for
-
-SHAPE = (10, 2, 4, 2, 8)  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-
-
-def cache(seed: int, dtype: torch.dtype = torch.float32, shape=SHAPE, layers: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
-
-
-def wait(poll: Callable[[], KVPoll], timeout_s: float = 60.0) -> KVPoll:
-    deadline = time.monotonic() + timeout_s
-    while not (state := poll()).finished and time.monotonic() < deadline:
-        time.sleep(0.002)
-    return state
+from tests.test_kvtransfer import assert_landed, cache, wait
 
 
 class Pair:
@@ -66,13 +52,6 @@ def pair():
 
 def spec(rid, src, dst, receiver, secret, **kw) -> TransferSpec:
     return TransferSpec(rid, src, dst, receiver.address, secret=secret, **kw)
-
-
-def assert_landed(dst, before, src, src_ids, dst_ids) -> None:
-    untouched = [b for b in range(dst[0].shape[0]) if b not in dst_ids]
-    for layer in range(len(dst)):
-        assert torch.equal(dst[layer][dst_ids], src[layer][src_ids])
-        assert torch.equal(dst[layer][untouched], before[layer][untouched])
 
 
 @pytest.mark.parametrize(("dtype", "checksum"), [(torch.float32, False), (torch.bfloat16, True)])
