@@ -88,6 +88,9 @@ class Gateway:
     metrics: GatewayMetrics
     config: GatewayConfig
     admission: AdmissionState = dataclasses.field(default_factory=AdmissionState)
+    # models served so far: one whose workers are all away (restarting, or a restarted
+    # coordinator relearning them) is a retryable 503, not a 404 for a model that never was
+    served: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -102,11 +105,12 @@ class Gateway:
         """The served model ``name`` stands for (an alias, or None for the only one)."""
         model = resolve_model(name, self.aliases, self.tokenizers)
         tokenizer = self.tokenizers.get(model)
-        if tokenizer is None:
+        if tokenizer is None and model not in self.served:
             raise model_not_found(model)
         info = next((s for s in self.backend.models() if s.name == model), None)
-        if info is None:
+        if tokenizer is None or info is None:
             raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
+        self.served.add(model)
         return model, tokenizer, info
 
     async def serve(

@@ -263,6 +263,26 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         client.completions.create(model="gpt-9", prompt="x")
 
 
+def test_a_served_model_whose_workers_are_away_is_503_not_404(
+    client: openai.OpenAI, tokenizers: dict[str, Tokenizer], backend: FakeBackend
+) -> None:
+    """A restarted coordinator relearns its workers from their next Register: until then the
+    model it served is unknown to it, which is a retryable 503 (a model never served: 404)."""
+    backend.reset(script_for(tokenizers["tiny-qwen"], "ok"))
+    client.chat.completions.create(model="tiny-qwen", messages=MESSAGES)  # served once
+    models, tokenizer = backend.model_infos, tokenizers.pop("tiny-qwen")
+    backend.model_infos = [info for info in models if info.name != "tiny-qwen"]
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model="tiny-qwen", messages=MESSAGES)
+        assert info.value.status_code == 503
+        assert info.value.body["message"] == "model `tiny-qwen` has no workers yet"
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-9", messages=MESSAGES)  # type: ignore[arg-type]
+    finally:
+        backend.model_infos, tokenizers["tiny-qwen"] = models, tokenizer
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
