@@ -89,6 +89,7 @@ class Coordinator:
         parts = (self.shared, self.placement, self.reservations, timeouts, self.peers)
         self.recovery = Recovery(*parts)
         self.decisions: Counter[str] = Counter()  # each choice's route by reason
+        self.started_at: float | None = None  # its first message: then it knows no worker
 
     @property
     def registry(self) -> WorkerRegistry:
@@ -107,6 +108,7 @@ class Coordinator:
             logger.warning("coordinator ignores %s", type(msg).__name__)
             return
         self.shared.now = now
+        self.started_at = now if self.started_at is None else self.started_at
         if isinstance(msg, Register):
             self._register(msg, now)
         elif isinstance(msg, Heartbeat):
@@ -167,7 +169,12 @@ class Coordinator:
     def _generate(self, req: m.Generate) -> None:
         reg, shared = self.registry, self.shared
         if req.model not in reg.models():
-            shared.error_to(req, 404, f"the model `{req.model}` does not exist")
+            # until every live worker has registered again (a restarted coordinator), an
+            # unknown model may only be one whose workers it has not heard yet: retryable
+            if shared.now - (self.started_at or shared.now) < reg.heartbeat_timeout_s:
+                shared.error_to(req, 503, f"model {req.model} has no workers yet")
+            else:
+                shared.error_to(req, 404, f"the model `{req.model}` does not exist")
             return
         if not reg.ready(req.model):
             shared.error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")

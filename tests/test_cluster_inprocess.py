@@ -127,24 +127,27 @@ def test_abort_in_flight_frees_both_sides(cluster_factory) -> None:
 
 def test_unknown_model_and_no_capacity(cluster_factory) -> None:
     cluster = cluster_factory(num_blocks=8)
-    cluster.bus.queue.append(
-        (
-            "coordinator",
-            m.Generate(
-                request_id="x",
-                model="nope",
-                prompt_token_ids=[1],
-                sampling=GREEDY,
-                n=1,
-                stream_address="gw",
-            ),
+
+    def unknown(request_id: str) -> m.Generate:
+        return m.Generate(
+            request_id=request_id,
+            model="nope",
+            prompt_token_ids=[1],
+            sampling=GREEDY,
+            n=1,
+            stream_address="gw",
         )
-    )
+
+    # a coordinator that started less than a heartbeat timeout ago may not have heard every
+    # worker register yet (it restarted): an unknown model is a retryable 503 until then
+    started = cluster.coordinator.started_at
+    cluster.coordinator.handle(unknown("early"), started + 1.0)
+    cluster.coordinator.handle(unknown("x"), started + 60.0)
     # 8 blocks x 4 tokens can never hold it: a 400, not a 503 worth retrying
     cluster.submit("big", list(range(100)), GREEDY)
     cluster.pump()
     errors = {e.request_id: e.status for e in cluster.errors()}
-    assert errors == {"x": 404, "big": 400}
+    assert errors == {"early": 503, "x": 404, "big": 400}
     assert set(cluster.used_blocks().values()) == {0}
 
 
