@@ -35,7 +35,7 @@ lint: $(STAMP)
 # install as pdserve.<name> (package-dir), which mypy cannot map: it reads them through a tree
 # of links that mirrors the installed names.
 TYPED := -p pdserve.protocol -p pdserve.runtime -p pdserve.coordinator -p pdserve.worker \
-	-p pdserve.prefill -p pdserve.decode -m pdserve.kvtransfer.base
+	-p pdserve.prefill -p pdserve.decode -m pdserve.kvtransfer.base -m pdserve.fair_queue
 TYPE_TREE := $(VENV)/typecheck
 typecheck: $(STAMP)
 	@rm -rf $(TYPE_TREE)/pdserve && mkdir -p $(TYPE_TREE)/pdserve

@@ -232,6 +232,7 @@ class Coordinator:
             transfer_secret=msg.transfer_secret,
             skip_blocks=msg.cached_blocks,
             choices=route.choices,
+            share=req.share,
         )
         shared.send(prefill.worker_id, route.job)
 

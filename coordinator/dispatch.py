@@ -2,9 +2,10 @@
 
     reserved   the decode worker with the most room and cache gets a ``Reserve``; a prefill
                worker computes the prompt once it answers (``Reservations``). With no blocks
-               free now, the choice queues (first come, first served, bounded by the
-               ``AdmissionPolicy``) until heartbeats and ticks show blocks back; a refusal
-               asks another decode worker.
+               free now, the choice queues (``RouteTable.queued``: tier first, then the
+               tenants' fair shares, then priority and arrival; bounded by the
+               ``AdmissionPolicy``, a full queue refusing its lowest tier first) until
+               heartbeats and ticks show blocks back; a refusal asks another decode worker.
     local      one worker runs both phases, no transfer (``LocalPrefill``): conditional
                disaggregation (a short uncached prompt, or a busy prefill pool, goes to its
                decode worker to prefill itself: the ``ConditionalDisaggPolicy`` decides), a
@@ -25,6 +26,7 @@ from pdserve.coordinator.routes import Route, RouteState, Shared
 from pdserve.protocol import messages as m
 from pdserve.protocol.blocks import fork_blocks, resume_blocks
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.tenancy import share_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +76,18 @@ class Reservations:
         return True
 
     def _queue(self, req: m.Generate, choice: int, choices: int, need: int, why: str) -> bool:
-        """The pool is full for now: wait for blocks to come back, oldest first; or fail."""
+        """The pool is full for now: wait for blocks to come back, in the queue's order; or
+        fail. A full queue makes room by refusing its newest choice of a lower tier (503:
+        it was not accepted yet, nothing of it runs), if it has one."""
         shared = self.shared
-        queued = len(shared.routes.in_state(RouteState.QUEUED))
+        queue = shared.routes.queued
         decoder = self.placement.has_decoder(req.model, shared.avoid())
-        if self.admission.can_queue(queued, decoder):
+        if decoder and not self.admission.can_queue(len(queue), decoder):
+            shed = queue.newest_below(share_of(req.share).tier)
+            if shed is not None:
+                why_shed = "the queue for decode blocks is full: a higher tier's request came"
+                shared.fail(shed.key, 503, why_shed, shed.request)
+        if self.admission.can_queue(len(queue), decoder):
             route = Route(req, choice, RouteState.QUEUED, since=shared.now, need=need)
             route.choices = choices
             shared.routes.add(route)
@@ -90,14 +99,17 @@ class Reservations:
         return False
 
     def place_queued(self) -> None:
-        """Reserve for waiting choices, oldest first, while decode blocks allow."""
+        """Reserve for waiting choices, in the queue's order, while decode blocks allow."""
         shared = self.shared
         avoid = shared.avoid()
-        for route in shared.routes.in_state(RouteState.QUEUED):
+        queue = shared.routes.queued
+        while queue:
+            route = queue.peek()
             req = route.request
             worker = self.placement.pick_decode(req.model, route.need, avoid, req.prompt_token_ids)
             if worker is None:
-                return  # first come, first served: no later, smaller one jumps the queue
+                return  # in order: no later, smaller one jumps the queue
+            queue.pop()
             route.state, route.decode, route.since = (
                 RouteState.RESERVING,
                 worker.worker_id,
@@ -153,6 +165,7 @@ class Reservations:
             stream_address=req.stream_address,
             choice=route.choice,
             choices=route.choices,
+            share=req.share,
         )
         self.shared.send(route.decode, msg)
 
@@ -241,5 +254,6 @@ class LocalPrefill:
             choice=choice,
             generated_token_ids=generated or [],
             choices=len(members),
+            share=req.share,
         )
         shared.send(worker_id, job)

@@ -9,6 +9,9 @@ A route's state (``RouteState``)::
       └────────────┘ route), or the choice waits in the queue
     local: one worker runs both phases, no transfer (conditional disaggregation, a colocated
     pool, a choice resumed after its worker died), from the start to ``Finished``
+
+The queued routes wait in a fair queue (pdserve/fair_queue.py): by their request's ``share``
+(tier, then the tenants' weighted shares of prompt tokens, then priority and arrival).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from enum import Enum
 from typing import Protocol
 
 from pdserve.coordinator.registry import WorkerRegistry
+from pdserve.fair_queue import FairQueue
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.tenancy import share_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +34,7 @@ SILENT_HOLD_S = 30.0  # a worker that let a reservation time out gets no new one
 
 
 class RouteState(Enum):
-    QUEUED = "queued"  # no decode worker has the blocks now: waits, first come first served
+    QUEUED = "queued"  # no decode worker has the blocks now: waits (``RouteTable.queued``)
     RESERVING = "reserving"  # a decode worker was asked to hold blocks (``Reserve``)
     PREFILLING = "prefilling"  # blocks held; a prefill worker computes and pushes the KV
     DECODING = "decoding"  # the KV arrived (``TransferDone``): the decode worker streams
@@ -67,19 +72,30 @@ class Route:
 class RouteTable(Mapping[ChoiceKey, Route]):
     """Owns every live route, keyed by ``ChoiceKey``, with each request's choices indexed so an
     abort or a worker error costs O(n) in its own choices, not a scan of every request in
-    flight."""
+    flight; and the fair queue of the ``queued`` ones, in step with the table: a route added
+    queued joins it (its cost: its prompt's tokens), one popped queued leaves it, and whoever
+    takes one out of it (``queued.pop``) moves it to another state."""
 
     def __init__(self) -> None:
         self._routes: dict[ChoiceKey, Route] = {}
         self._choices: dict[str, set[int]] = {}
+        self.queued: FairQueue[Route] = FairQueue()
 
     def add(self, route: Route) -> None:
         key = route.key
+        replaced = self._routes.get(key)
+        if replaced is not None:
+            self.queued.remove(replaced)
         self._routes[key] = route
         self._choices.setdefault(key.request_id, set()).add(key.choice)
+        if route.state is RouteState.QUEUED:
+            req = route.request
+            self.queued.push(route, share_of(req.share), len(req.prompt_token_ids))
 
     def pop(self, key: ChoiceKey) -> Route:
         route = self._routes.pop(key)
+        if route.state is RouteState.QUEUED:
+            self.queued.remove(route)
         choices = self._choices[key.request_id]
         choices.discard(key.choice)
         if not choices:

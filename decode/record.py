@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.tenancy import DEFAULT, Share, share_of
 
 
 class DecodeState(enum.Enum):
@@ -52,6 +53,7 @@ class DecodeRecord:
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
     num_local_cached_tokens: int = 0  # prompt tokens whose KV this worker held already
     dropped: set[int] = field(default_factory=set)  # choices not to decode (ended, aborted)
+    share: Share = DEFAULT  # who it is for: the order it waits in the engine
 
     @classmethod
     def of(cls, msg: m.Reserve | m.PrefillJob) -> DecodeRecord:
@@ -63,6 +65,7 @@ class DecodeRecord:
             sampling=msg.sampling,
             stream_address=msg.stream_address,
             choices=max(msg.choices, 1),
+            share=share_of(msg.share),
         )
 
     @property
@@ -88,4 +91,5 @@ class DecodeRecord:
             sampling=self.sampling,
             stream_address=self.stream_address,
             state=DecodeState.RUNNING,
+            share=self.share,
         )

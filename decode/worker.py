@@ -155,13 +155,15 @@ class DecodeWorker(Worker[DecodeRecord]):
                 if pending is not None and pending.state in PENDING:  # its reservation is moot
                     self._free(record.key, DecodeState.ABORTED)
                 self.engine.handoff.add_continuation(
-                    record.key, prompt, msg.generated_token_ids, params[0]
+                    record.key, prompt, msg.generated_token_ids, params[0], share=record.share
                 )
             elif len(keys) == 1:
-                self.engine.add_request(record.key, prompt, params[0])
+                self.engine.add_request(record.key, prompt, params[0], share=record.share)
             else:
                 prompt_id = PromptKey(msg.request_id, msg.choice)
-                self.engine.forks.add_request_n(prompt_id, list(keys.values()), prompt, params)
+                self.engine.forks.add_request_n(
+                    prompt_id, list(keys.values()), prompt, params, share=record.share
+                )
         except ValueError as e:
             self._fail(record.key, record.stream_address, 400, str(e))
             return
@@ -239,6 +241,7 @@ class DecodeWorker(Worker[DecodeRecord]):
                 [choice_params(record.sampling, c) for c in going],
                 [lp for _, lp in firsts],
                 num_cached_tokens=max(record.num_cached_tokens, record.num_local_cached_tokens),
+                share=record.share,
             )
         except ValueError as e:  # the reservation is freed
             self._free(key, DecodeState.FAILED)
@@ -273,7 +276,9 @@ class DecodeWorker(Worker[DecodeRecord]):
             try:
                 params = choice_params(record.sampling, c)
                 token, _ = record.first_of(c)
-                self.engine.handoff.add_continuation(k, record.prompt_token_ids, [token], params)
+                self.engine.handoff.add_continuation(
+                    k, record.prompt_token_ids, [token], params, share=record.share
+                )
             except ValueError as e:
                 self.abort(record.request_id)
                 message = f"KV transfer failed ({reason}); recompute failed: {e}"

@@ -39,6 +39,7 @@ from pdserve.engine.step_budget import calibrate_step_budget
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.tenancy import DEFAULT, Share
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +113,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hold_kv: bool = False,
+        share: Share = DEFAULT,
     ) -> None:
         """Queue a request; ``ValueError`` for a duplicate id, bad tokens or a too-long one.
 
         ``hold_kv``: when it finishes, keep its blocks (``handoff.held_block_ids``) until
         ``handoff.release``; a prefill worker runs prompts this way, with ``max_tokens=1``,
-        then pushes the KV.
+        then pushes the KV. ``share``: who it is for, the order it waits in.
         """
         seq = self.requests.new(request_id, prompt_token_ids, params)
         seq.hold_kv = hold_kv
+        seq.share = share
         self.requests.admit(seq)
 
     def abort(self, request_id: RequestId) -> bool:

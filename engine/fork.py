@@ -33,6 +33,7 @@ from pdserve.engine.requests import RequestTable
 from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
 from pdserve.protocol.blocks import full_blocks, tail_tokens
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.tenancy import DEFAULT, Share
 
 
 class Forks:
@@ -59,8 +60,10 @@ class Forks:
         prompt_token_ids: list[int],
         params: Seq[SamplingParams],
         hold_kv: bool = False,
+        share: Share = DEFAULT,
     ) -> None:
-        """Queue one prompt for ``len(request_ids)`` choices; ``params[i]`` is choice i's.
+        """Queue one prompt for ``len(request_ids)`` choices; ``params[i]`` is choice i's;
+        ``share``, who they are for (the order the prompt waits in).
 
         The prompt runs once under ``prompt_id``, which never appears in ``step()``'s outputs;
         each choice reports under its own id from token 0 on. ``hold_kv``: the prompt's KV is
@@ -80,11 +83,11 @@ class Forks:
             self.requests.new(rid, prompt_token_ids, p)
             for rid, p in zip(request_ids, params, strict=True)
         ]
-        prompt = Sequence(prompt_id, list(prompt_token_ids), params[0])
+        prompt = Sequence(prompt_id, list(prompt_token_ids), params[0], share=share)
         prompt.hold_kv = hold_kv
         prompt.choices = choices
         for seq in choices:
-            seq.parent = prompt
+            seq.parent, seq.share = prompt, share
             self.requests.live[seq.request_id] = seq
         self.requests.admit(prompt)
 

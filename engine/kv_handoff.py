@@ -8,6 +8,10 @@ held_block_ids(rid) -> push KV ───────────────▶ 
 release(rid)  (blocks stay in the prefix cache) add_prefilled(rid, prompt, token 0, params)
                                                   rid WAITING with those blocks; step() ...
 
+Sent while the prompt still computes (a prefill worker's ``--kv-stream-chunks``): after a step,
+``computed_blocks(rid)`` are final (later chunks write past them); those sent are ``pin``-ned
+until ``release(rid)``, so a preempted prompt's freed blocks are not reused under a read.
+
 n choices of one prompt (engine/fork.py): the prefill side runs it once and holds its KV under
 the prompt's id; here ``reserve(..., choices=n)`` takes one more block for each choice past the
 first and ``add_prefilled_n`` forks the received prompt into them.
@@ -21,9 +25,10 @@ from pdserve.engine.block_manager import BlockManager, KVCache
 from pdserve.engine.fork import check_choices, fork_blocks_into
 from pdserve.engine.requests import RequestTable
 from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
-from pdserve.protocol.blocks import blocks_for, fork_blocks
+from pdserve.protocol.blocks import blocks_for, fork_blocks, full_blocks
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.tenancy import DEFAULT, Share
 
 _NO_SAMPLING = SamplingParams()  # a reservation draws nothing; its successors have their own
 
@@ -47,14 +52,32 @@ class KVHandoff:
         self.scheduler = scheduler
         self.blocks = blocks
         self.kv_cache = kv_cache
+        self.pinned: dict[RequestId, list[int]] = {}  # blocks sent while computing (``pin``)
 
     # ---- the prefill side -------------------------------------------------------------------
     def held_block_ids(self, request_id: RequestId) -> list[int]:
         """Blocks holding the finished prompt's KV, in token order."""
         return list(self.requests.held[request_id].block_table)
 
+    def computed_blocks(self, request_id: RequestId) -> list[int]:
+        """A prompt still computing: its leading full blocks whose every token's KV is
+        computed, in token order (final: later chunks write past them); [] if not live."""
+        seq = self.requests.live.get(request_id)
+        if seq is None:
+            return []
+        return seq.block_table[: full_blocks(seq.num_computed_tokens, self.block_size)]
+
+    def pin(self, request_id: RequestId, block_ids: Seq[int]) -> None:
+        """One more reference to each block, for ``request_id`` until ``release``: KV sent
+        while its prompt computes stays as it is until read, even if the prompt is preempted
+        (its blocks freed) meanwhile."""
+        self.blocks.share(block_ids)
+        self.pinned.setdefault(request_id, []).extend(block_ids)
+
     def release(self, request_id: RequestId) -> bool:
-        """Free a held request's blocks (full ones stay findable in the prefix cache)."""
+        """Free a held request's blocks (full ones stay findable in the prefix cache) and its
+        pinned ones; whether it was held."""
+        self.blocks.free_blocks(self.pinned.pop(request_id, []))
         seq = self.requests.held.pop(request_id, None)
         if seq is None:
             return False
@@ -132,8 +155,10 @@ class KVHandoff:
         params: SamplingParams,
         first_logprob: TokenLogprob | None = None,
         num_cached_tokens: int = 0,
+        share: Share = DEFAULT,
     ) -> None:
-        """Start decoding a request whose prompt KV now sits in its reserved blocks.
+        """Start decoding a request whose prompt KV now sits in its reserved blocks (``share``:
+        who it is for, the order it waits in).
 
         Token 0 was sampled (and reported) by the prefill worker; outputs start at token 1.
         ``num_cached_tokens``: prompt tokens a prefix cache served (the prefill worker's, or
@@ -148,6 +173,7 @@ class KVHandoff:
         seq.block_table = self._take_over(reservation)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
+        seq.share = share
         if first_logprob is not None:
             seq.output_logprobs.append(first_logprob)
         self.requests.admit_continued(seq)
@@ -161,6 +187,7 @@ class KVHandoff:
         params: Seq[SamplingParams],
         first_logprobs: Seq[TokenLogprob | None] | None = None,
         num_cached_tokens: int = 0,
+        share: Share = DEFAULT,
     ) -> None:
         """Start decoding ``len(request_ids)`` choices of a prompt whose KV now sits in the
         leading ``blocks_for(len(prompt))`` blocks of ``reservation_id``'s reservation.
@@ -169,7 +196,7 @@ class KVHandoff:
         worker) with ``params[i]``; outputs start at token 1. The reservation needs
         ``fork_blocks(len(prompt), n)`` blocks (``reserve(..., choices=n)``); blocks past that
         (choices aborted meanwhile) are freed. ``ValueError`` frees all of them.
-        ``num_cached_tokens`` as for ``add_prefilled``, the same for every choice.
+        ``num_cached_tokens`` and ``share`` as for ``add_prefilled``, the same for every choice.
         """
         reservation = self._reserved(reservation_id)
         num_tokens = len(prompt_token_ids)
@@ -200,6 +227,7 @@ class KVHandoff:
                 fork_blocks_into(self.blocks, ids, num_tokens, seq, ids[own + i - 1], copies)
             seq.num_computed_tokens = num_tokens
             seq.num_cached_tokens = num_cached_tokens
+            seq.share = share
         self.kv_cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
         for seq, lp in zip(seqs, logprobs, strict=True):
             if lp is not None:
@@ -212,10 +240,13 @@ class KVHandoff:
         prompt_token_ids: list[int],
         generated: list[int],
         params: SamplingParams,
+        share: Share = DEFAULT,
     ) -> None:
         """Take over a request whose first ``generated`` tokens were produced elsewhere: the
         prompt and those tokens are computed again here (after a failed KV transfer, or when
-        a request moves off a dead worker), and outputs continue at ``len(generated)``."""
+        a request moves off a dead worker), and outputs continue at ``len(generated)``;
+        ``share`` as for ``add_prefilled``."""
         self.cancel_reservation(request_id)
         seq = self.requests.continued(request_id, prompt_token_ids, generated, params)
+        seq.share = share
         self.requests.admit_continued(seq)

@@ -14,7 +14,10 @@ One token budget (``max_num_batched_tokens``, lowered at start-up to what runs w
 alike, so a long prompt is split over steps (chunked prefill) while decodes keep going. Running
 sequences are served first, in order; when blocks run out the newest running sequence is
 preempted (blocks freed, recomputed later from its tokens). Waiting sequences are admitted
-FIFO while budget, ``max_num_seqs`` and blocks allow.
+while budget, ``max_num_seqs`` and blocks allow, in the fair queue's order
+(pdserve/fair_queue.py: by each one's ``share``: tier, then the tenants' weighted shares of
+prompt tokens, then priority and arrival), a preempted one first; a waiting sequence that
+does not fit blocks those after it (no smaller one jumps it).
 
 A reservation (engine/kv_handoff.py) is a sequence WAITING_FOR_REMOTE_KVS, kept in
 ``waiting_for_kvs`` and never scheduled: blocks that another worker's KV is written into, held
@@ -29,7 +32,6 @@ enter WAITING with forked blocks (or finish there) and the prompt sequence is FI
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +40,10 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
+from pdserve.fair_queue import FairQueue
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.tenancy import DEFAULT, Share
 
 # An engine request id: any hashable value (a string in tests and ``generate``; a worker's typed
 # key, pdserve.protocol.keys.ChoiceKey, for one choice of a request). Never parsed.
@@ -60,6 +64,7 @@ class Sequence:
     request_id: RequestId
     token_ids: list[int]  # prompt, then generated tokens appended in place
     params: SamplingParams
+    share: Share = DEFAULT  # who it is for: the order it waits in (pdserve/fair_queue.py)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -143,7 +148,8 @@ class Scheduler:
         self.config = config
         self.blocks = block_manager
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
-        self.waiting: deque[Sequence] = deque()
+        # by share; the cost a tenant is charged is the tokens still to compute when queued
+        self.waiting: FairQueue[Sequence] = FairQueue()
         self.running: list[Sequence] = []
         self.waiting_for_kvs: dict[RequestId, Sequence] = {}  # reservations, by request id
 
@@ -151,9 +157,9 @@ class Scheduler:
         """Queue ``seq``; ``front``: ahead of every waiting one (what was just running)."""
         seq.status = SequenceStatus.WAITING
         if front:
-            self.waiting.appendleft(seq)
+            self.waiting.push_front(seq)
         else:
-            self.waiting.append(seq)
+            self.waiting.push(seq, seq.share, seq.num_uncomputed_tokens)
 
     def wait_for_kvs(self, seq: Sequence) -> None:
         """Keep ``seq`` (its blocks allocated) until another worker's KV has landed in them."""
@@ -185,11 +191,12 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # 2. waiting sequences, FIFO, unless something was just preempted for lack of blocks
+        # 2. waiting sequences, in the fair queue's order, unless something was just
+        # preempted for lack of blocks
         while self.waiting and budget > 0 and not batch.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             hits = self.blocks.find_cached_prefix(seq) if not seq.block_table else []
             remaining = seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size
             n = min(remaining, budget, threshold)
@@ -198,7 +205,7 @@ class Scheduler:
             if hits and seq.num_preemptions == 0:
                 seq.num_cached_tokens = len(hits) * self.blocks.block_size
                 self.prefix_hit_tokens += seq.num_cached_tokens
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -213,7 +220,7 @@ class Scheduler:
             del self.waiting_for_kvs[seq.request_id]
         elif seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        else:
             self.waiting.remove(seq)
         if free:
             self.blocks.free_seq(seq)
@@ -224,5 +231,5 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
         batch.preempted.append(seq)

@@ -1,10 +1,12 @@
 """What a request must pass before the app sees it, as one ASGI middleware::
 
-    /v1/*, /tokenize, /detokenize  API key (401)  ->  not draining (503)
+    /v1/*, /tokenize, /detokenize  API key: its tenant (401)  ->  not draining (503)
     POST /v1/{chat/,}completions   JSON content type (415)  ->  body within the limit (413)
          /tokenize, /detokenize    and the body timeout (408), read here and replayed
                                    ->  in-flight slot (429; generation only)
 
+The key's tenant (``gateway.tenancy``) goes in ``request.state.tenant`` for the app, which
+admits the request against that tenant's rate limits once its prompt is tokenized.
 Every refusal is an OpenAI error body, logged; 429 and 503 carry ``Retry-After``. The slot is
 taken once the body is in: a client that sends its body slowly holds a connection (bounded by
 the server's connection cap and the body timeout), never a slot. A generation request holds its
@@ -17,7 +19,6 @@ open. (vLLM leaves ``/tokenize`` open too; here it costs tokenizer time, so it t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import weakref
 from collections.abc import Callable
@@ -32,12 +33,12 @@ from pdserve.gateway.errors import (
     body_too_large,
     draining,
     error_response,
-    invalid_api_key,
     overloaded,
     unsupported_media_type,
 )
 from pdserve.gateway.metrics import Outcome
 from pdserve.gateway.run import JobRun
+from pdserve.gateway.tenancy import TENANT, Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,6 @@ class AdmissionState:
         return len(live)
 
 
-def key_matches(given: bytes, keys: tuple[str, ...]) -> bool:
-    """Constant time in ``given``'s content: every key is compared, none short-circuits."""
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(given, key.encode("utf-8"))
-    return found
-
-
 def bearer_token(scope: Scope) -> bytes | None:
     """The token of ``Authorization: Bearer <token>``; empty for another scheme, None without
     the header."""
@@ -85,18 +78,20 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 class Admission:
     """The middleware that gates every request (module docstring); it owns no state but the
-    app's ``AdmissionState``."""
+    app's ``AdmissionState``; ``tenancy`` knows the keys."""
 
     def __init__(
         self,
         app: ASGIApp,
         config: GatewayConfig,
         state: AdmissionState,
+        tenancy: Tenancy,
         on_reject: Callable[[str, OpenAIError], None] | None = None,
     ) -> None:
         self.app = app
         self.config = config
         self.state = state
+        self.tenancy = tenancy
         self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,11 +110,10 @@ class Admission:
         await self.app(scope, receive, send)
 
     def _gate(self, scope: Scope) -> OpenAIError | None:
-        keys = self.config.api_keys
-        if keys:
-            token = bearer_token(scope)
-            if token is None or not key_matches(token, keys):
-                return invalid_api_key(given=token is not None)
+        tenant = self.tenancy.authenticate(bearer_token(scope))
+        if isinstance(tenant, OpenAIError):
+            return tenant
+        scope.setdefault("state", {})[TENANT] = tenant
         return draining() if self.state.draining else None
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, slot: bool) -> None:

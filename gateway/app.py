@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
@@ -47,6 +46,8 @@ from pdserve.gateway.errors import (
     from_backend,
     install_error_handlers,
     model_not_found,
+    openapi_schema,
+    request_outcome,
 )
 from pdserve.gateway.headers import add_header_middleware
 from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
@@ -60,6 +61,15 @@ from pdserve.gateway.responses import (
     stream_events,
 )
 from pdserve.gateway.run import JobRun
+from pdserve.gateway.tenancy import OPEN, RATELIMIT_HEADERS, TENANT, Tenancy
+from pdserve.gateway.tenancy_http import (
+    HoldListener,
+    RateLimitHeaders,
+    check_max_tokens,
+    for_tenant,
+    reserved_tokens,
+)
+from pdserve.gateway.tenants import Tenant
 from pdserve.protocol import messages as m
 
 log = logging.getLogger(__name__)
@@ -67,26 +77,18 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
 
-def request_outcome(error: OpenAIError) -> Outcome:
-    """The ``pdserve_requests_total`` outcome of a request answered with ``error``."""
-    if error.status in (429, 503):
-        return Outcome.REJECTED
-    if error.code == "timeout":
-        return Outcome.TIMEOUT
-    return Outcome.ERROR if error.status >= 500 else Outcome.INVALID
-
-
 @dataclass
 class Gateway:
     """What the handlers of one app share, and the work they do: ``tokenizers`` maps each
     served model name to its tokenizer, ``aliases`` each alias to a served name; ``admission``
     is the in-flight count and the drain flag (``gateway.drain`` drives them), and the runs a
-    drain may end."""
+    drain may end; ``tenancy`` the keys' tenants, their limits and their usage."""
 
     backend: Backend
     tokenizers: Mapping[str, Tokenizer]
     metrics: GatewayMetrics
     config: GatewayConfig
+    tenancy: Tenancy
     admission: AdmissionState = dataclasses.field(default_factory=AdmissionState)
     # models served so far: one whose workers are all away (restarting, or a restarted
     # coordinator relearning them) is a retryable 503, not a 404 for a model that never was
@@ -114,12 +116,22 @@ class Gateway:
         return model, tokenizer, info
 
     async def serve(
-        self, job: Job, tokenizer: Tokenizer, info: m.ServedModel, request: Request
+        self,
+        job: Job,
+        tokenizer: Tokenizer,
+        info: m.ServedModel,
+        request: Request,
+        priority: int | None = 0,
     ) -> Response:
-        """Start ``job`` (a refusal is the response's status), then stream it or collect it."""
+        """Admit ``job`` against its tenant's limits, start it (a refusal is the response's
+        status), then stream it or collect it."""
         job = dataclasses.replace(job, system_fingerprint=system_fingerprint(info))
         if getattr(request.state, "request_id", None):
             log.debug("request %s: X-Request-Id %s", job.response_id, request.state.request_id)
+        tenant = tenant_of(request)
+        job = for_tenant(job, tenant, priority or 0)
+        hold = await self.tenancy.admit(tenant, job.model, job.response_id, *reserved_tokens(job))
+        setattr(request.state, RATELIMIT_HEADERS, hold.headers)
         config = self.config
         run = JobRun(
             self.backend,
@@ -129,15 +141,18 @@ class Gateway:
             timeout_s=config.timeout_s,
             idle_s=config.idle_timeout_s,
             max_backlog=config.max_stream_backlog,
+            listener=HoldListener(self.tenancy, hold),
         )
         self.admission.runs.add(run)
         try:
             await run.start()
-        except BackendError as e:
-            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
-            raise from_backend(e) from e
-        except OpenAIError as e:  # the request timeout passed while it was being placed
-            log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
+        except BaseException as e:
+            await self.tenancy.finish(hold, Outcome.REJECTED, 0, 0, 0)
+            if isinstance(e, BackendError):
+                log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
+                raise from_backend(e) from e
+            if isinstance(e, OpenAIError):  # the request timeout passed while it was placed
+                log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
             raise
         if not job.stream:
             return await complete(run, request)
@@ -162,11 +177,17 @@ class Gateway:
         self.metrics.in_flight.set(self.admission.in_flight)
         backend = self.backend
         text = self.metrics.render(backend.worker_stats(), backend.routing_decisions())
-        return Response(text, media_type=CONTENT_TYPE)
+        return Response(text + self.tenancy.metrics_text(), media_type=CONTENT_TYPE)
 
 
 def gateway_of(request: Request) -> Gateway:
     return cast(Gateway, request.app.state.gateway)
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The tenant the admission found for the request's key."""
+    tenant = getattr(request.state, TENANT, None)
+    return tenant if isinstance(tenant, Tenant) else OPEN
 
 
 router = APIRouter()
@@ -178,19 +199,21 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     gateway = gateway_of(request)
     model, tokenizer, info = gateway.lookup(body.model)
+    check_max_tokens(body, tenant_of(request))
     body = body.model_copy(update={"model": model})  # an alias: the served name from here
     parser = gateway.config.tool_call_parser
     job = await asyncio.to_thread(prepare_chat, body, tokenizer, info, parser)
-    return await gateway.serve(job, tokenizer, info, request)
+    return await gateway.serve(job, tokenizer, info, request, body.priority)
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     gateway = gateway_of(request)
     model, tokenizer, info = gateway.lookup(body.model)
+    check_max_tokens(body, tenant_of(request))
     body = body.model_copy(update={"model": model})
     job = await asyncio.to_thread(prepare_completion, body, tokenizer, info)
-    return await gateway.serve(job, tokenizer, info, request)
+    return await gateway.serve(job, tokenizer, info, request, body.priority)
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
@@ -239,39 +262,33 @@ def create_app(
     metrics: GatewayMetrics | None = None,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
     config: GatewayConfig | None = None,
+    tenancy: Tenancy | None = None,
 ) -> FastAPI:
     """``tokenizers`` maps each served model name to its tokenizer; a model is available once
     ``backend.models()`` lists it too. It may load them lazily: an ``OpenAIError`` raised by
     ``tokenizers.get`` answers the request. ``lifespan`` runs around the server (it starts and
     stops a backend that owns sockets). ``app.state.admission`` is the in-flight count and the
-    drain flag (``gateway.drain`` drives them)."""
-    gateway = Gateway(backend, tokenizers, metrics or GatewayMetrics(), config or GatewayConfig())
+    drain flag (``gateway.drain`` drives them). ``tenancy``: the keys' tenants (default: the
+    config's API keys as one unlimited tenant, or an open API without them)."""
+    config = config or GatewayConfig()
+    tenancy = tenancy or Tenancy(api_keys=config.api_keys)
+    gateway = Gateway(backend, tokenizers, metrics or GatewayMetrics(), config, tenancy)
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
     app.state.admission = gateway.admission
     install_error_handlers(app, lambda request, error: gateway.count(request.url.path, error))
+    app.add_middleware(RateLimitHeaders, tenancy=tenancy, paths=GENERATE_PATHS)
     app.add_middleware(
-        Admission, config=gateway.config, state=gateway.admission, on_reject=gateway.count
+        Admission,
+        config=config,
+        state=gateway.admission,
+        tenancy=tenancy,
+        on_reject=gateway.count,
     )
     add_header_middleware(app, gateway.config)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.include_router(router)
     return app
-
-
-def openapi_schema(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema without the 422 it documents for every body: errors here are 400s with
-    an OpenAI body (``ERROR_RESPONSES``)."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for operations in schema.get("paths", {}).values():
-            for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
-        schemas = schema.get("components", {}).get("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            schemas.pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
 
 
 async def complete(run: JobRun, request: Request) -> Response:

@@ -12,11 +12,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.gateway.backend import BackendError
+from pdserve.gateway.metrics import Outcome
 
 _CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 500: "internal_error"}
 RETRY_AFTER_S = 1
@@ -237,3 +239,27 @@ def install_error_handlers(
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_crash)
+
+
+def request_outcome(error: OpenAIError) -> Outcome:
+    """The ``pdserve_requests_total`` outcome of a request answered with ``error``."""
+    if error.status in (429, 503):
+        return Outcome.REJECTED
+    if error.code == "timeout":
+        return Outcome.TIMEOUT
+    return Outcome.ERROR if error.status >= 500 else Outcome.INVALID
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without the 422 it documents for every body: errors here are 400s with
+    an OpenAI body (``ERROR_RESPONSES``)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

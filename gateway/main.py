@@ -8,8 +8,10 @@ needs it (``api_extras.LazyTokenizers``). Never imports torch.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
+import signal
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +26,8 @@ from pdserve.gateway.chat_template import tokenizer_loader
 from pdserve.gateway.config import GatewayConfig, add_config_args, config_from_args
 from pdserve.gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
 from pdserve.gateway.http_limits import header_deadline_protocol
+from pdserve.gateway.tenancy import Tenancy
+from pdserve.gateway.tenancy_args import add_tenancy_args, tenancy_from_args
 from pdserve.gateway.zmq_backend import ZmqBackend
 
 log = logging.getLogger(__name__)
@@ -33,20 +37,29 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this long
 
 
-def gateway_app(backend: ZmqBackend, config: GatewayConfig | None = None) -> FastAPI:
-    """The HTTP app over ``backend``, which starts and stops with the server."""
+def gateway_app(
+    backend: ZmqBackend, config: GatewayConfig | None = None, tenancy: Tenancy | None = None
+) -> FastAPI:
+    """The HTTP app over ``backend``, which starts and stops with the server; SIGHUP reloads
+    the tenants file, and the usage record is written out at the end."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        if tenancy is not None:
+            loop.add_signal_handler(signal.SIGHUP, tenancy.reload)
         await backend.start()
         try:
             yield
         finally:
             await backend.close()
+            if tenancy is not None:
+                loop.remove_signal_handler(signal.SIGHUP)
+                await asyncio.to_thread(tenancy.close)
 
     template = config.chat_template if config is not None else None
     tokenizers = LazyTokenizers(backend.model_roots, tokenizer_loader(template))
-    return create_app(backend, tokenizers, lifespan=lifespan, config=config)
+    return create_app(backend, tokenizers, lifespan=lifespan, config=config, tenancy=tenancy)
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +86,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_config_args(parser)
+    add_tenancy_args(parser)
 
 
 def http_socket(host: str, port: int) -> socket.socket:
@@ -99,10 +113,13 @@ def http_limits(config: GatewayConfig) -> dict[str, Any]:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT, then drain (``gateway.drain``) and return 0."""
+    """Serve until SIGTERM or SIGINT, then drain (``gateway.drain``) and return 0; SIGHUP
+    reloads the tenants file (ignored until the server runs)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.getLogger().setLevel(args.log_level.upper())
     try:
         config = config_from_args(args)
+        tenancy = tenancy_from_args(args, config.api_keys)
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -110,11 +127,12 @@ def run_gateway(args: argparse.Namespace) -> int:
         sock = http_socket(args.host, args.port)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        tenancy.close()
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     backend = ZmqBackend(args.coordinator, args.stream_bind, max_migrations=args.max_migrations)
-    app = gateway_app(backend, config)
+    app = gateway_app(backend, config, tenancy)
     uvicorn_config = uvicorn.Config(
         app,
         log_level=args.log_level,
@@ -123,7 +141,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         **http_limits(config),
     )
     server = DrainingServer(uvicorn_config, app.state.admission, config.drain_timeout_s)
-    keys = f", {len(config.api_keys)} API key(s)" if config.api_keys else ", no API key"
+    tenants = tenancy.tenants
+    keys = f", {len(tenants)} tenant(s), {tenants.key_count} key(s)" if tenants else ", no API key"
     log.info("gateway at %s/v1, coordinator %s%s", url, args.coordinator, keys)
     print(f"pdserve gateway: {url}", flush=True)
     with sock:

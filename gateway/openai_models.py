@@ -18,9 +18,9 @@ else. Audit of the fields vLLM accepts beyond the OpenAI ones (structured output
 refused (400) when set to anything but their default:
     best_of (unless 1 or equal to n)  prompt_logprobs  use_beam_search  include_stop_str_in_output
     truncate_prompt_tokens  allowed_token_ids  bad_words  logprob_token_ids
-    logits_processors  priority (no priority scheduling)  cache_salt (no per-tenant prefix
-    cache)  kv_transfer_params (vLLM's connector API)  vllm_xargs  return_tokens_as_token_ids
-    return_token_ids  prompt_embeds;
+    logits_processors  cache_salt (no per-tenant prefix cache)  kv_transfer_params (vLLM's
+    connector API)  vllm_xargs  return_tokens_as_token_ids  return_token_ids  prompt_embeds;
+honoured: priority (vLLM's: lower first, within the key's tenant and tier).
     chat only: echo  continue_final_message  chat_template (per request: a server chooses its
     template with --chat-template, as vLLM without --trust-request-chat-template)  documents
     (refused in ``check_supported`` as well: logit_bias; completions' echo and suffix)
@@ -48,6 +48,7 @@ from pdserve.gateway.structured import StructuredFields
 from pdserve.gateway.tools.models import ToolCalls, ToolFields
 from pdserve.gateway.tools.request import check_tools, template_tool_calls
 from pdserve.protocol.sampling import MAX_LOGPROBS
+from pdserve.protocol.tenancy import MAX_PRIORITY, MIN_PRIORITY
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts of one /v1/completions request: each is a backend request
@@ -124,7 +125,6 @@ _REASONS = {
     "bad_words": "bad_words is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported",
     "logits_processors": "logits_processors is not supported",
-    "priority": "priority scheduling is not supported: priority must be 0",
     "cache_salt": "cache_salt is not supported: the prefix cache is shared by every request",
     "kv_transfer_params": "kv_transfer_params is not supported: this server moves KV itself",
     "vllm_xargs": "vllm_xargs is not supported",
@@ -154,7 +154,8 @@ class VllmFields(_Body):
     bad_words: list[str] | None = Field(None, json_schema_extra=_EMPTY)
     logprob_token_ids: list[int] | None = Field(None, json_schema_extra=_EMPTY)
     logits_processors: list[Any] | None = Field(None, json_schema_extra=_EMPTY)
-    priority: int | None = Field(0, json_schema_extra={"enum": [0, None]})
+    # vLLM's: lower is served sooner, within the tenant's tier (pdserve.fair_queue)
+    priority: int | None = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     cache_salt: str | None = Field(None, json_schema_extra=_UNSET)
     kv_transfer_params: dict[str, Any] | None = Field(None, json_schema_extra=_UNSET)
     vllm_xargs: dict[str, Any] | None = Field(None, json_schema_extra=_UNSET)

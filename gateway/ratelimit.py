@@ -149,10 +149,11 @@ class RateLimiter:
                 )
 
     def finish(
-        self, reservation: Reservation, completion_tokens: int | None = None
+        self, reservation: Reservation, completion_tokens: int | None = None, ran: bool = True
     ) -> Usage | None:
-        """Give back max_tokens - completion_tokens (None: what was charged, for an abort) and
-        release the slot; None when it was finished already."""
+        """Give back max_tokens - completion_tokens (None: what was charged, for an abort), and
+        the prompt's tokens too when it never ran (the cluster refused it), and release the
+        slot; None when it was finished already."""
         if completion_tokens is not None:
             _count("completion_tokens", completion_tokens)  # before anything changes
         with self._lock:
@@ -162,6 +163,7 @@ class RateLimiter:
             if completion_tokens is not None:
                 reservation.completion_tokens = completion_tokens
             back = reservation.max_tokens - reservation.completion_tokens
+            back += 0 if ran else reservation.prompt_tokens
         levels = self.store.settle(reservation.tenant, reservation.limits, back, reservation.rid)
         return None if levels is None else usage_of(reservation.limits, levels)
 

@@ -163,7 +163,10 @@ class RedisStore:
         lease_s: float = 900.0,
         timeout_s: float = 1.0,
         clock: Callable[[], float] | None = None,
+        password: str | None = None,
     ) -> None:
+        """``password``: Redis' ``requirepass`` (``--rate-limit-store-password-file``), never
+        part of the URL a command line shows."""
         address = parse_url(url)
         if not lease_s >= 0.001:
             raise ValueError(f"lease_s must be at least 1 ms, got {lease_s!r}")
@@ -172,6 +175,7 @@ class RedisStore:
             host=address.host,
             port=address.port,
             db=address.db,
+            password=password,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             # one retry, no backoff: reconnects a pooled socket after a restart, fails fast

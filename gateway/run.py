@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 
@@ -46,6 +47,15 @@ class Usage:
     cached_tokens: int
 
 
+class RunListener(Protocol):
+    """Told of a run's progress: its completion tokens so far, and its end, once, with the
+    usage its response reports (the tenant's rate limits and meter, ``gateway.tenancy``)."""
+
+    def tokens(self, completion_tokens: int) -> None: ...
+
+    async def ended(self, outcome: Outcome, usage: Usage) -> None: ...
+
+
 class JobRun:
     """One job in flight: owns its choices' states (``choices``, job order: prompt by prompt,
     ``n`` each), the backend requests that may still run (``_open``), its streams, and its
@@ -61,11 +71,13 @@ class JobRun:
         timeout_s: float | None = None,
         idle_s: float | None = None,
         max_backlog: int | None = None,
+        listener: RunListener | None = None,
     ) -> None:
         """``timeout_s`` bounds the whole request, from now: submission and every token;
         ``idle_s`` the time between two events from the cluster; ``max_backlog`` the events
         waiting for the consumer."""
         self.job = job
+        self._listener = listener
         self._backend = backend
         self._clock = clock
         self._arrival = clock()
@@ -213,6 +225,9 @@ class JobRun:
             return
         self._outcome = outcome
         self._metrics.ended(outcome)
+        if self._listener is not None:
+            with anyio.CancelScope(shield=True):
+                await self._listener.ended(outcome, self.usage)
 
     def _take(
         self, prompt: int, item: TokenChunk | BaseException | None, ready: dict[int, ChoiceUpdate]
@@ -236,6 +251,8 @@ class JobRun:
         if update is not None:
             if update.num_tokens:
                 self._metrics.tokens(index, update.num_tokens)
+                if self._listener is not None:
+                    self._listener.tokens(sum(c.num_tokens for c in self.choices))
             if (earlier := ready.get(index)) is None:
                 ready[index] = update
             else:

@@ -23,8 +23,6 @@ admitted with.
 
 from __future__ import annotations
 
-import enum
-import functools
 import hashlib
 import logging
 import re
@@ -36,14 +34,14 @@ from types import MappingProxyType
 from typing import Any
 
 from pdserve.gateway.tenants_text import line_of, quoted_key, toml_error_at, top_line
+from pdserve.protocol.tenancy import MAX_WEIGHT, MIN_WEIGHT, Tier
+from pdserve.protocol.tenancy import TENANT_NAME as NAME
 
 log = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 1 << 20
 MAX_TENANTS = 4096
 MAX_KEYS_PER_TENANT = 1024
-MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3  # fair shares between 1:1 and 1:1e6
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 KEY_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_tokens")
 FIELDS = ("tier", *LIMITS, "weight", "keys")
@@ -57,24 +55,6 @@ def hash_key(key: str | bytes) -> str:
 
 
 EMPTY_KEY_HASH = hash_key(b"")
-
-
-@functools.total_ordering
-class Tier(enum.Enum):
-    """Priority class, ordered: ``PREMIUM > STANDARD > BATCH``."""
-
-    BATCH = "batch"
-    STANDARD = "standard"
-    PREMIUM = "premium"
-
-    @property
-    def rank(self) -> int:
-        return list(Tier).index(self)
-
-    def __lt__(self, other: object) -> bool:
-        if not isinstance(other, Tier):
-            return NotImplemented
-        return self.rank < other.rank
 
 
 class FieldError(ValueError):

@@ -1,7 +1,8 @@
 """Metering: each finished request's tokens, per tenant and model, kept in memory for
 ``/metrics`` and in a durable usage record (an SQLite file, ``--usage-db``).
 
-Not yet fed by the gateway. Two parts:
+Fed by the gateway's tenancy (``gateway.tenancy``) with each request's response ``usage``.
+Two parts:
 
 - ``UsageStore`` owns the SQLite file: its schema, writing a batch in one transaction, and
   reading totals over a time range (``pdserve usage``). WAL mode: a reader never blocks the
@@ -216,11 +217,12 @@ _STOP = object()  # wakes the writer at close
 
 class UsageMeter:
     """Takes finished requests' usage without blocking; keeps live totals; writes the file
-    through a ``UsageStore`` from one writer thread (module docstring)."""
+    through a ``UsageStore`` from one writer thread (module docstring). Without a store (no
+    ``--usage-db``) it keeps the live totals only."""
 
     def __init__(
         self,
-        store: UsageStore,
+        store: UsageStore | None,
         *,
         max_queue: int = 65536,
         batch_records: int = 512,
@@ -242,8 +244,10 @@ class UsageMeter:
         self._closed = False
         self._last_drop_log = float("-inf")
         self._dropped_since_log = 0
-        self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if store is not None:
+            self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
+            self._thread.start()
 
     def record(self, record: UsageRecord) -> bool:
         """Count ``record`` and queue it for the file; False if the file will miss it."""
@@ -253,6 +257,8 @@ class UsageMeter:
             if live is None:
                 live = self._live[key] = UsageTotals(tenant=record.tenant, model=record.model)
             live.add(record)
+            if self._thread is None:
+                return False
             if not self._closed:
                 try:
                     self._queue.put_nowait(record)
@@ -282,17 +288,22 @@ class UsageMeter:
 
     def totals(self, since: datetime, until: datetime | None = None) -> list[UsageTotals]:
         """What the file holds for the range (see ``UsageStore.totals``)."""
+        if self.store is None:
+            raise UsageDbError("no usage record: this meter keeps live totals only")
         return self.store.totals(since, until)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking records and write every queued one before returning."""
         with self._lock:
             self._closed = True
+        if self._thread is None:
+            return
         with contextlib.suppress(queue.Full):  # full: the writer is busy and sees _closed next
             self._queue.put_nowait(_STOP)
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        assert self.store is not None
         conn = self.store.open_writer()
         try:
             while True:

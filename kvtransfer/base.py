@@ -140,6 +140,18 @@ class KVSender(KVEndpoint):
         when the sender is closed.
         """
 
+    sends_parts = False  # whether ``send_part`` works (nixl: ``--kv-stream-chunks``)
+
+    def send_part(self, spec: TransferSpec, kv_layers: list[torch.Tensor], last: bool) -> None:
+        """Offer the next part of a transfer: its first part opens it (as ``send`` does), each
+        later one (same request id, receiver and secret) lists the blocks that follow, in
+        order, until the ``last``; the transfer is DONE once every part was received. The
+        blocks must stay as they are until then. A part of a transfer that finished already
+        (FAILED, or dropped by an injected fault) is not sent; ``poll`` says how it ended.
+        """
+        del spec, kv_layers, last
+        raise TransferError(f"{type(self).__name__} cannot send a transfer in parts")
+
     @abstractmethod
     def poll(self, request_id: str) -> KVPoll:
         """State of a sent transfer; ``TransferError`` for an unknown request id."""

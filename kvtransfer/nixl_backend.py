@@ -18,6 +18,18 @@ memory it writes. The prefill worker's blocks are held on a lease (the transfer'
 
 Agents' metadata and region layouts are exchanged at registration (``nixl_agent``), so an
 offer is one small notification and a read is two lists of descriptor indices.
+
+In parts (``send_part``; the prefill worker's ``--kv-stream-chunks``): a long prompt's blocks
+are offered as its chunks complete, each offer with the next ``KVHeader.part`` and its own
+checksum and injected fault, the last one ``last``; the reader starts each read as its offer
+comes and acknowledges each (``KVAck.part``); the transfer is DONE when every offer was read,
+and the blocks of all of them are held until then (the lease runs from the latest offer)::
+
+    send_part(blocks 0-7) ── part 0 ──▶ READ 0-7   ─ KVAck 0 ─▶
+    send_part(blocks 8-15) ─ part 1 ──▶ READ 8-15  ─ KVAck 1 ─▶
+    send_part(16-17, last) ─ part 2 ──▶ READ 16-17 ─ KVAck 2 ─▶ DONE (every part read)
+
+A transfer's parts leave in order (one held back by an injected delay holds back the rest).
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,9 +79,31 @@ class _Offer:
     not_before: float = 0.0
 
 
+@dataclass
+class _Opened:
+    """A transfer offered in parts, on the caller's side: its reader, the next part's index."""
+
+    address: str
+    secret: bytes
+    next_part: int = 1
+
+
+@dataclass
+class _Sent:
+    """A transfer on the sender's thread: its reader, the offers made and those read, and how
+    many offers there are in all once the last one was made."""
+
+    agent: str
+    offered: int = 0
+    read: set[int] = field(default_factory=set)
+    parts: int | None = None
+
+
 class NixlKVSender(table.TableBacked, KVSender):
-    """Offers blocks of the registered cache to decode workers and holds them until the reader
-    acknowledges or the lease (``timeout_s``) ends."""
+    """Offers blocks of the registered cache to decode workers (at once or in parts) and holds
+    them until the reader acknowledges every offer or the lease (``timeout_s``) ends."""
+
+    sends_parts = True
 
     def __init__(
         self,
@@ -83,7 +117,8 @@ class NixlKVSender(table.TableBacked, KVSender):
         self._table = table.TransferTable("nixl sender")
         self._dice = FaultDice(fault) if fault is not None else None
         self._jobs: queue.SimpleQueue[_Offer] = queue.SimpleQueue()
-        self._offered: dict[str, str] = {}  # request id -> the reader's agent
+        self._opened: dict[str, _Opened] = {}  # transfers in parts, the last still to come
+        self._sent: dict[str, _Sent] = {}  # the sender thread's: transfers offered, by id
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-nixl-sender", daemon=True)
         self._thread.start()
@@ -96,19 +131,49 @@ class NixlKVSender(table.TableBacked, KVSender):
         self._nixl.update_peers(added, gone)
 
     def send(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> None:
+        self.send_part(spec, kv_layers, last=True)
+
+    def send_part(self, spec: TransferSpec, kv_layers: list[torch.Tensor], last: bool) -> None:
         if self._stop.is_set():
             raise TransferError("nixl sender is closed")
         if kv_layers[0].data_ptr() != self._nixl.first_ptr:
             raise ValueError(f"transfer {spec.request_id!r}: not the registered KV cache")
         common.check_block_ids(spec.src_block_ids, self._nixl.num_blocks, spec.request_id)
-        offer = _Offer(spec, self._header(spec, kv_layers))
-        self._table.add(spec.request_id, spec.timeout_s, spec.src_block_ids)
+        if self._nixl.mem == "VRAM":  # the step's kernels may still be writing these blocks
+            torch.cuda.synchronize(kv_layers[0].device)
+        part = self._next_part(spec, last)
+        if part is None:
+            return
+        offer = _Offer(spec, self._header(spec, kv_layers, part, last))
         if self._dice is not None:
             self._dice.mark(offer)
         self._jobs.put(offer)
         self._wake.set()
 
-    def _header(self, spec: TransferSpec, kv_layers: list[torch.Tensor]) -> KVHeader:
+    def _next_part(self, spec: TransferSpec, last: bool) -> int | None:
+        """This offer's part index (part 0 opens the transfer in the table); None when the
+        transfer has finished already (failed, or dropped by a fault): nothing more goes."""
+        rid = spec.request_id
+        opened = self._opened.get(rid)
+        if opened is None:
+            self._table.add(rid, spec.timeout_s, spec.src_block_ids)  # ValueError: in use
+            if not last:
+                self._opened[rid] = _Opened(spec.address, spec.secret)
+            return 0
+        if (spec.address, spec.secret) != (opened.address, opened.secret):
+            raise ValueError(f"transfer {rid!r}: a part for another receiver")
+        part, opened.next_part = opened.next_part, opened.next_part + 1
+        if last:
+            del self._opened[rid]
+        return part if self._table.extend(rid, spec.timeout_s, spec.src_block_ids) else None
+
+    def release(self, request_id: str) -> None:
+        self._opened.pop(request_id, None)
+        self._table.pop(request_id)
+
+    def _header(
+        self, spec: TransferSpec, kv_layers: list[torch.Tensor], part: int, last: bool
+    ) -> KVHeader:
         crc = None
         if self.checksum:
             staged = [t.cpu() for t in common.gather(kv_layers, spec.src_block_ids)]
@@ -122,6 +187,8 @@ class NixlKVSender(table.TableBacked, KVSender):
             block_shape=list(kv_layers[0].shape[1:]),
             checksum=crc,
             secret=spec.secret,
+            part=part,
+            last=last,
         )
 
     def close(self) -> None:
@@ -137,18 +204,37 @@ class NixlKVSender(table.TableBacked, KVSender):
     def _run(self) -> None:
         waiting: list[_Offer] = []  # not offered yet: delayed, or the reader is not loaded yet
         while not self._stop.is_set():
-            self._wake.wait(BUSY_S if self._offered or waiting else IDLE_S)
+            # polled fast while a read may end; between a transfer's parts, a part wakes it
+            reading = any(len(s.read) < s.offered for s in self._sent.values())
+            self._wake.wait(BUSY_S if reading or waiting else IDLE_S)
             self._wake.clear()
             while not self._jobs.empty():
                 waiting.append(self._jobs.get_nowait())
-            waiting = [job for job in waiting if not self._offer(job)]
+            waiting = self._offer_in_order(waiting)
             try:
                 for agent, payload in self._nixl.notifications():
                     self._acknowledged(agent, payload)
             except Exception:  # a bad notification must never stop the sender
                 log.exception("nixl sender: reading notifications")
-            for rid in self._table.expire():  # the lease ended: the blocks go back
-                self._offered.pop(rid, None)
+            self._table.expire()  # the lease ended: the blocks go back
+            for rid in [r for r in self._sent if not self._open(r)]:
+                del self._sent[rid]
+
+    def _open(self, request_id: str) -> bool:
+        entry = self._table.get(request_id)
+        return entry is not None and not entry.state.finished
+
+    def _offer_in_order(self, jobs: list[_Offer]) -> list[_Offer]:
+        """Offer what may go now, each transfer's parts in order (behind a part that waits,
+        the later ones wait too); returns the jobs still waiting."""
+        left: list[_Offer] = []
+        held: set[str] = set()
+        for job in jobs:
+            rid = job.spec.request_id
+            if rid in held or not self._offer(job):
+                held.add(rid)
+                left.append(job)
+        return left
 
     def _offer(self, job: _Offer) -> bool:
         """Notify the reader of one transfer; False to retry it later."""
@@ -165,7 +251,13 @@ class NixlKVSender(table.TableBacked, KVSender):
             self._table.advance(rid, KVPoll.FAILED, f"cannot offer to {agent}: {exc}")
             return True
         if self._table.advance(rid, KVPoll.TRANSFERRING):
-            self._offered[rid] = agent
+            if job.header.part == 0:
+                self._sent[rid] = _Sent(agent)
+            sent = self._sent.get(rid)
+            if sent is not None:
+                sent.offered += 1
+                if job.header.last:
+                    sent.parts = job.header.part + 1
         return True
 
     def _acknowledged(self, agent: str, payload: bytes) -> None:
@@ -174,12 +266,22 @@ class NixlKVSender(table.TableBacked, KVSender):
         except ProtocolError as exc:
             log.warning("nixl sender: dropped a bad notification from %s: %s", agent, exc)
             return
-        if not isinstance(ack, KVAck) or self._offered.get(ack.request_id) != agent:
+        sent = self._sent.get(ack.request_id) if isinstance(ack, KVAck) else None
+        if not isinstance(ack, KVAck) or sent is None or sent.agent != agent:
             log.warning("nixl sender: dropped an acknowledgement %r from %s", payload[:64], agent)
             return
-        del self._offered[ack.request_id]
-        state = KVPoll.DONE if ack.ok else KVPoll.FAILED
-        self._table.advance(ack.request_id, state, None if ack.ok else f"reader: {ack.reason}")
+        rid = ack.request_id
+        if not ack.ok:
+            del self._sent[rid]
+            self._table.advance(rid, KVPoll.FAILED, f"reader: {ack.reason}")
+            return
+        if not 0 <= ack.part < sent.offered or ack.part in sent.read:
+            log.warning("nixl sender: dropped an acknowledgement of offer %d of %r", ack.part, rid)
+            return
+        sent.read.add(ack.part)
+        if len(sent.read) == sent.parts:  # every offer was read
+            del self._sent[rid]
+            self._table.advance(rid, KVPoll.DONE)
 
 
 def _faulty(job: _Offer, num_blocks: int) -> KVHeader:

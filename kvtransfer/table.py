@@ -70,6 +70,17 @@ class TransferTable:
             entry = Entry(KVPoll.PENDING, deadline, list(block_ids), secret=secret)
             self._entries[request_id] = entry
 
+    def extend(self, request_id: str, timeout_s: float, block_ids: Sequence[int]) -> bool:
+        """One more part of an unfinished transfer (a sender's): its blocks join the entry's,
+        and the lease runs at least ``timeout_s`` from now; False if it is gone or finished."""
+        with self.lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.state.finished:
+                return False
+            entry.block_ids.extend(block_ids)
+            entry.deadline = max(entry.deadline, self.clock() + timeout_s)
+            return True
+
     def get(self, request_id: str) -> Entry | None:
         return self._entries.get(request_id)
 

@@ -61,6 +61,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--transfer-backend", default="zmq", choices=transfer_backends())
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds from a decode worker's reservation until its prompt's KV must be in "
+        "(the prompt's prefill included): raise it for prompts that take longer here",
+    )
     g.add_argument("--pin", action="store_true", help="pin each worker to its own cores")
     add_serve_api_args(g)
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds")
@@ -82,6 +89,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODE[:RATE[:DELAY_S]]",
         help="inject KV transfer faults on prefill workers (testing): drop, delay, truncate, "
         "corrupt",
+    )
+    g.add_argument(
+        "--kv-stream-chunks",
+        action="store_true",
+        help="prefill workers offer a long prompt's KV chunk by chunk, read while later chunks "
+        "compute (--transfer-backend nixl only)",
     )
     add_routing_args(g)
     g.add_argument(
@@ -120,6 +133,7 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
         f"--coordinator={coordinator}",
         f"--threads={threads}",
         f"--transfer-backend={args.transfer_backend}",
+        f"--transfer-timeout={args.transfer_timeout}",
     ]
     if served_name(args):
         common.append(f"--served-model-name={served_name(args)}")
@@ -140,6 +154,8 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
         cmd = [*pdserve, *role, *common, f"--worker-id={role[0]}-{i}"]
         if role[0] == "prefill" and args.kv_fault:
             cmd.append(f"--kv-fault={args.kv_fault}")
+        if role[0] == "prefill" and args.kv_stream_chunks:
+            cmd.append("--kv-stream-chunks")
         if role[0] == "decode":
             cmd.append(f"--kv-failure-policy={args.kv_failure_policy}")
         if args.pin:
@@ -152,6 +168,10 @@ def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> l
 
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.models.store import resolve_model
+    from pdserve.worker.args import check_stream_chunks
+
+    check_stream_chunks(args, "serve")
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the gateway runs: nothing to reload
 
     try:  # pulled here, once, so the workers start from the cache
         model = os.path.abspath(resolve_model(args.model, args.dtype))
@@ -171,6 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     cluster = Cluster(args, keys, run_dir / "coordinator")
+    signal.signal(signal.SIGHUP, lambda *_: cluster.reload_tenants())
     try:
         cluster.start(model, api_flags)
         _supervise(cluster, args, model, stopping)
@@ -231,6 +252,11 @@ class Cluster:
         self.gateway = Child("gateway", self._gateway(address, api_flags))
         for child in self.children()[1:]:
             child.start()
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: the gateway reads its tenants file again."""
+        if self.gateway is not None and self.gateway.alive():
+            self.gateway.proc.send_signal(signal.SIGHUP)
 
     def children(self) -> list[Child]:
         return [self.coordinator, *self.workers, *([self.gateway] if self.gateway else [])]

@@ -7,6 +7,10 @@
     --chat-template T           read and checked here once, handed over as a file
     --allowed-origins ...       CORS, passed through
     --tool-call-parser P        passed through (--enable-auto-tool-choice: accepted, a no-op)
+    --tenants F, --usage-db F   passed through as absolute paths (SIGHUP to serve reloads the
+                                tenants file: it is forwarded to the gateway)
+    --rate-limit-store U, --rate-limit-gateways N, --rate-limit-store-password-file F
+                                passed through (the file as an absolute path)
 
 Each is checked here, before any process starts: a gateway that cannot start would only be
 restarted until serve gives up.
@@ -21,6 +25,8 @@ from pathlib import Path
 
 from pdserve.gateway.chat_template import load_chat_template
 from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, list_arg, load_api_keys
+from pdserve.gateway.tenancy_args import MEMORY, add_tenancy_args, limiter_store
+from pdserve.gateway.tenants import TenantsError, load_tenants
 from pdserve.gateway.tools.request import add_tool_args
 
 
@@ -51,6 +57,7 @@ def add_serve_api_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--allowed-headers", type=list_arg, default=["*"], help="CORS headers")
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     add_tool_args(g)
+    add_tenancy_args(g)
 
 
 def served_name(args: argparse.Namespace) -> str | None:
@@ -86,4 +93,26 @@ def gateway_api_flags(args: argparse.Namespace, run_dir: Path) -> list[str]:
         flags += ["--allow-credentials"] if args.allow_credentials else []
     if args.tool_call_parser != "auto":
         flags.append(f"--tool-call-parser={args.tool_call_parser}")
+    return flags + tenancy_flags(args)
+
+
+def tenancy_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's tenancy flags, checked here (``ValueError``)."""
+    flags = []
+    if args.tenants:
+        try:
+            load_tenants(args.tenants)
+        except TenantsError as e:
+            raise ValueError(str(e)) from e
+        flags.append(f"--tenants={os.path.abspath(args.tenants)}")
+    password_file = args.rate_limit_store_password_file
+    limiter_store(args.rate_limit_store, args.rate_limit_gateways, password_file)  # checks
+    if args.rate_limit_store != MEMORY:
+        flags.append(f"--rate-limit-store={args.rate_limit_store}")
+    if args.rate_limit_gateways != 1:
+        flags.append(f"--rate-limit-gateways={args.rate_limit_gateways}")
+    if password_file:
+        flags.append(f"--rate-limit-store-password-file={os.path.abspath(password_file)}")
+    if args.usage_db:
+        flags.append(f"--usage-db={os.path.abspath(args.usage_db)}")
     return flags

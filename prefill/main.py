@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from pdserve.kvtransfer.faults import FaultPlan
-from pdserve.worker.args import add_worker_args
+from pdserve.worker.args import add_worker_args, check_stream_chunks
 from pdserve.worker.process import RoleParts, WorkerContext, run_worker
+
+logger = logging.getLogger(__name__)
 
 
 def add_prefill_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +20,12 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MODE[:RATE[:DELAY_S]]",
         help="inject transfer faults (testing): drop, delay, truncate, corrupt",
+    )
+    g.add_argument(
+        "--kv-stream-chunks",
+        action="store_true",
+        help="offer a long prompt's KV chunk by chunk as its chunks complete, so the decode "
+        "worker reads it while later chunks compute (--transfer-backend nixl only)",
     )
 
 
@@ -29,6 +38,7 @@ def _fault_plan(text: str) -> FaultPlan:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
+    check_stream_chunks(args, "prefill")
     return run_worker(args, "prefill", _build)
 
 
@@ -42,11 +52,14 @@ def _build(args: argparse.Namespace, ctx: WorkerContext) -> RoleParts:
     if args.transfer_backend == "nixl":  # a one-sided transport registers its cache up front
         options["kv_layers"] = ctx.engine.status.kv_layers
     transport = make_sender(args.transfer_backend, checksum=args.kv_checksum, **options)
+    if args.kv_stream_chunks:
+        logger.info("prefill: a prompt's KV is offered chunk by chunk (--kv-stream-chunks)")
     worker = PrefillWorker(
         engine=ctx.engine,
         sender=transport,
         worker_id=ctx.worker_id,
         outbox=ctx.outbox,
         transfer_timeout_s=args.transfer_timeout,
+        stream_chunks=args.kv_stream_chunks,
     )
     return RoleParts(worker=worker, transport=transport)

@@ -15,6 +15,9 @@ table, ``records``, keyed by the ``ChoiceKey`` of the job's first choice; its st
 ``_free`` is the one way out: the record leaves the table and gives back what it holds, the
 engine's KV (held, or the prompt still computing) and the sender's transfer.
 Token 0 goes to the gateway the moment it is sampled (that is the TTFT), before the KV moves.
+With ``--kv-stream-chunks`` the KV moves in parts while COMPUTING too, a part after each chunk
+step (prefill/offers.py); the push SENDING is then the last part, and the transfer ends (DONE,
+FAILED) when the decode worker has read them all.
 ``TransferDone`` goes to the coordinator the moment the sender finishes, from the sender's
 thread (``KVSender.notify``): the next step may be a long prompt, and the decode worker must
 not wait for it to end. The blocks are released by the worker's own thread, after its step;
@@ -31,16 +34,17 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.kvtransfer.base import KVPoll, KVSender, TransferSpec
+from pdserve.kvtransfer.base import KVPoll, KVSender
+from pdserve.prefill.offers import KVOffers, Offered
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.tenancy import share_of
 from pdserve.worker.base import Worker
 from pdserve.worker.wire import (
     Outbox,
     PromptKey,
     TransferStats,
-    block_bytes,
     choice_params,
     token_chunk,
     transfer_id,
@@ -70,6 +74,7 @@ class PrefillRecord:
     done: m.TransferDone | None = None  # what the coordinator is told when the push ends
     transfer_started: float = 0.0  # time.monotonic() when the push began
     reported: bool = False  # ``done`` has gone out (from either thread)
+    offered: Offered = field(default_factory=Offered)  # its KV offered while computing
     # the engine ids of its choices, from the job's first choice on
     group: tuple[ChoiceKey, ...] = field(init=False)
 
@@ -107,12 +112,14 @@ class PrefillWorker(Worker[PrefillRecord]):
         worker_id: str,
         outbox: Outbox,
         transfer_timeout_s: float = 30.0,
+        stream_chunks: bool = False,
     ) -> None:
         super().__init__(engine, worker_id, outbox)
         self.sender = sender
         self.transfers = TransferStats()
-        self._block_bytes = block_bytes(engine)
         self.transfer_timeout_s = transfer_timeout_s
+        # ValueError: streaming chunks with a sender that cannot send in parts
+        self.offers = KVOffers(engine, sender, transfer_timeout_s, self.transfers, stream_chunks)
         # the sender's thread reads the table (``_report``): it changes under this lock only
         self._lock = threading.Lock()
         sender.notify(self._report)
@@ -135,11 +142,12 @@ class PrefillWorker(Worker[PrefillRecord]):
         try:
             firsts = [_token0_params(choice_params(job.sampling, k.choice)) for k in record.group]
             self.engine.requests.check_prompt(job.prompt_token_ids, job.sampling)
+            share, prompt = share_of(job.share), job.prompt_token_ids
             if len(record.group) == 1:
-                self.engine.add_request(record.key, job.prompt_token_ids, firsts[0], hold_kv=True)
+                self.engine.add_request(record.key, prompt, firsts[0], hold_kv=True, share=share)
             else:
                 self.engine.forks.add_request_n(
-                    record.held_id, record.group, job.prompt_token_ids, firsts, hold_kv=True
+                    record.held_id, record.group, prompt, firsts, hold_kv=True, share=share
                 )
         except ValueError as e:
             self._fail(record.key, job.stream_address, 400, str(e))
@@ -164,7 +172,7 @@ class PrefillWorker(Worker[PrefillRecord]):
             return
         held, record.state = record.state, end
         self.engine.abort(record.held_id)
-        if held is PrefillState.SENDING:
+        if held is PrefillState.SENDING or record.offered.parts:
             self.sender.release(record.transfer_id)
 
     # ---- the step ---------------------------------------------------------------------------
@@ -175,6 +183,9 @@ class PrefillWorker(Worker[PrefillRecord]):
             for out in self.engine.step():
                 self._on_output(out)
             self.tokens.flush()
+            for key in self.keys_in(PrefillState.COMPUTING) if self.offers.stream else []:
+                r = self.records[key]  # KV of the chunks done so far goes now (offers.py)
+                self.offers.partial(r.job, r.held_id, r.transfer_id, r.offered)
             busy = True
         self._poll_transfers()
         return busy
@@ -217,9 +228,9 @@ class PrefillWorker(Worker[PrefillRecord]):
         self._push(record, outs, ended)
 
     def _push(self, record: PrefillRecord, outs: list[RequestOutput], ended: list[int]) -> None:
-        """Start moving the held KV to the decode worker's blocks: SENDING."""
+        """Start moving the held KV (what is left of it) to the decode worker's blocks:
+        SENDING."""
         job = record.job
-        src = self.engine.handoff.held_block_ids(record.held_id)
         lps = [o.new_logprobs for o in outs]
         done = m.TransferDone(
             request_id=job.request_id,
@@ -229,22 +240,11 @@ class PrefillWorker(Worker[PrefillRecord]):
             choice=job.choice,
             ended=ended,
         )
-        # the decode worker holds the leading ``skip_blocks`` already (its prefix cache)
-        skip = min(max(job.skip_blocks, 0), len(src) - 1)
-        spec = TransferSpec(
-            request_id=record.transfer_id,
-            src_block_ids=src[skip:],
-            dst_block_ids=job.dst_block_ids[skip : len(src)],
-            address=job.transfer_address,
-            timeout_s=self.transfer_timeout_s,
-            secret=job.transfer_secret,
-        )
-        self.transfers.started(len(spec.src_block_ids), self._block_bytes)
         with self._lock:  # first: the sender may finish before send returns
             record.state, record.done = PrefillState.SENDING, done
             record.transfer_started = time.monotonic()
-        try:
-            self.sender.send(spec, self.engine.status.kv_layers)
+        try:  # the decode worker's prefix cache holds its leading ``skip_blocks`` already
+            self.offers.final(job, record.held_id, record.transfer_id, record.offered)
         except Exception as e:  # any transport failure fails this transfer only
             self._free(record.key, PrefillState.FAILED)
             error = f"KV transfer could not start: {e}"

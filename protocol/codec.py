@@ -16,6 +16,7 @@ reference, garbage bytes, a value the dataclass's own ``__post_init__`` refuses 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -24,7 +25,8 @@ import msgpack
 
 from pdserve.protocol.checks import Buffer, Frames, ProtocolError, Ref, check_fields, field_checkers
 
-PROTOCOL_VERSION = 5  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReason
+PROTOCOL_VERSION = 6  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReason; 6: Share,
+# KVHeader.part and .last, KVAck.part (a transfer in parts)
 OOB_EXT = 1  # msgpack ext code of an out-of-band frame reference
 OOB_MIN_BYTES = 4096  # bytes values at least this large go out of band
 _RESERVED = ("type", "v")
@@ -96,9 +98,12 @@ def _names(cls: type) -> tuple[str, ...]:
 
 def _nested(value: Any) -> Any:
     """msgpack's hook for what it cannot pack itself: a nested dataclass, as a map of its
-    fields (its bytes values travel inline)."""
+    fields (its bytes values travel inline); an ``Enum`` that is not a ``str`` already
+    (``Tier``), as its value."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {name: getattr(value, name) for name in _names(type(value))}
+    if isinstance(value, enum.Enum):
+        return value.value
     raise TypeError(f"cannot serialize {type(value).__name__}")
 
 

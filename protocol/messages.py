@@ -33,6 +33,7 @@ from pdserve.protocol.checks import ProtocolError
 from pdserve.protocol.codec import PROTOCOL_VERSION, Message, decode, encode, message
 from pdserve.protocol.control import Role, WorkerCounters, WorkerLoad
 from pdserve.protocol.sampling import SamplingParams, StructuredSpec
+from pdserve.protocol.tenancy import Share, Tier
 
 __all__ = [  # its own types, and the codec and sampling names its users read through it
     "PROTOCOL_VERSION",
@@ -52,7 +53,9 @@ __all__ = [  # its own types, and the codec and sampling names its users read th
     "Reserved",
     "SamplingParams",
     "ServedModel",
+    "Share",
     "StructuredSpec",
+    "Tier",
     "TokenBatch",
     "TokenChunk",
     "TokenLogprob",
@@ -132,6 +135,9 @@ class Generate(Message):
     # migration: continue one choice whose worker died, after the tokens it already streamed
     resume_choice: int | None = None
     resume_token_ids: list[int] = field(default_factory=list)
+    # who it is for (tenant, tier, weight, the request's priority): the order it waits in,
+    # here and on the workers; None: ``protocol.tenancy.DEFAULT``
+    share: Share | None = None
 
 
 @message("reserve")
@@ -148,6 +154,7 @@ class Reserve(Message):
     # choices ``choice .. choice + choices - 1`` share it: their prompt is prefilled and moved
     # once, then forked here (engine/fork.py); blocks for each one's tail come with it
     choices: int = 1
+    share: Share | None = None  # ``Generate.share``: the order its choices wait in here
 
 
 @message("reserved")
@@ -185,6 +192,7 @@ class PrefillJob(Message):
     transfer_secret: bytes = b""  # the decode worker's ``Reserved.transfer_secret``
     skip_blocks: int = 0  # ``Reserved.cached_blocks``: leading blocks not to move
     choices: int = 1  # as ``Reserve.choices``: one prompt run for them all, token 0 each
+    share: Share | None = None  # ``Generate.share``: the order it waits in here
 
 
 @message("transfer_done")
@@ -296,3 +304,8 @@ class KVHeader(Message):
     block_shape: list[int]  # [2, block_size, num_kv_heads, head_dim]
     checksum: bytes | None  # CRC-32 (big-endian) over every layer buffer in order, or None
     secret: bytes = b""  # the reservation's transfer secret: nothing else is accepted
+    # a transfer offered in parts (nixl, ``--kv-stream-chunks``): this offer's index, from 0,
+    # its blocks following the previous offer's; ``last``: none follows, the transfer is
+    # whole once every offer was read. One offer: part 0, last.
+    part: int = 0
+    last: bool = True

@@ -2,7 +2,7 @@
 
     worker      ── Register.kv_regions (``control.KVRegions``: its cache) ────────────▶ coordinator
     coordinator ── KVPeers (the regions of the workers it may exchange KV with) ──────▶ worker
-    kv reader   ── KVAck (the read is over: the sender's blocks may be freed) ────────▶ kv sender
+    kv reader   ── KVAck (an offer was read; all of them: the blocks may be freed) ──▶ kv sender
 
 The regions reach every peer at registration, over the authenticated control plane, so the
 first request's transfer finds its peer loaded; a worker that leaves is in ``gone``.
@@ -35,9 +35,10 @@ class KVPeers(Message):
 @message("kv_ack")
 @dataclass(frozen=True, kw_only=True)
 class KVAck(Message):
-    """KV reader → sender, as a transport notification: the transfer of ``request_id`` is over
-    on the reader's side (``ok``), or failed there (``reason``)."""
+    """KV reader → sender, as a transport notification: offer ``part`` of the transfer of
+    ``request_id`` was read (``ok``), or the transfer failed there (``reason``)."""
 
     request_id: str
     ok: bool
     reason: str = ""
+    part: int = 0  # which offer was read (``KVHeader.part``: a transfer offered in parts)

@@ -63,6 +63,7 @@ class Cluster:
         fault: FaultPlan | None = None,
         policy: str = "recompute",
         transfer_timeout_s: float = 30.0,
+        stream_chunks: bool = False,  # prefill workers offer KV chunk by chunk (nixl)
         **coordinator_options: Any,
     ) -> None:
         self.bus = Bus()
@@ -77,7 +78,7 @@ class Cluster:
                 options["kv_layers"] = engine.runner.kv_cache.layers
             sender = make_sender(backend, checksum=True, **options)
             self.workers[wid] = PrefillWorker(
-                engine, sender, wid, self.bus.outbox(), transfer_timeout_s
+                engine, sender, wid, self.bus.outbox(), transfer_timeout_s, stream_chunks
             )
             self._register(wid, "prefill", engine, "", sender)
         for i, engine in enumerate(engines_d):

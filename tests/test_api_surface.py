@@ -19,6 +19,7 @@ import pytest
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.api_extras import system_fingerprint
 from pdserve.gateway.config import GatewayConfig
+from pdserve.protocol import messages as m
 from tests.gateway_util import FakeBackend, Script, Served, served_model, serving_config
 
 TINY = served_model("tiny", max_model_len=64)
@@ -237,7 +238,7 @@ def test_tokenize_bodies_are_bounded(tok: Tokenizer) -> None:
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
         ({"allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"bad_words": ["x"]}, "bad_words"),
-        ({"priority": 1}, "priority"),
+        ({"priority": 2**31}, "priority"),
         ({"cache_salt": "tenant"}, "cache_salt"),
         ({"return_token_ids": True}, "return_token_ids"),
         ({"echo": True}, "echo"),
@@ -255,13 +256,16 @@ def test_fields_not_honoured_are_refused(url: str, server: Served, fields: dict,
 
 def test_fields_accepted(url: str, server: Served, tok: Tokenizer) -> None:
     """Defaults, best_of equal to n, ignored fields and add_special_tokens: a 200 each."""
-    fields = {"best_of": 2, "n": 2, "priority": 0, "prompt_logprobs": None, "bad_words": [],
+    fields = {"best_of": 2, "n": 2, "priority": -3, "prompt_logprobs": None, "bad_words": [],
               "use_beam_search": False, "user": "u1", "spaces_between_special_tokens": False,
               "add_special_tokens": False}  # fmt: skip
     r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Hi", **fields})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
     assert server.backend.submitted[-1].prompt_token_ids == tok.encode("Hi", False)  # no bos
+    assert server.backend.submitted[-1].share == m.Share(
+        tenant="default", tier=m.Tier.STANDARD, weight=1, priority=-3
+    )
     body = {"model": "tiny", "prompt": "Hi", "n": 2, "best_of": 1}
     assert post(url, "/v1/completions", body).status_code == 200
 

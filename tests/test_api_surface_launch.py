@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -120,9 +121,30 @@ def test_serve_passes_the_api_flags(tmp_path: Path) -> None:
         (["--served-model-name", "a", "a"], "a model alias must name a different model once"),
         (["--api-key=two words"], "an API key must be"),
         (["--chat-template={% for %}"], "not valid Jinja"),
+        ([f"--tenants={tmp_path / 'none.toml'}"], "none.toml: cannot read it"),
+        (["--rate-limit-store=redis://u:p@h:1"], "no user or password"),
+        (["--rate-limit-gateways=0"], "--rate-limit-gateways must be >= 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             gateway_api_flags(serve_args(*bad), tmp_path)
+
+
+def test_serve_passes_the_tenancy_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("t.toml").write_text("[tenants.acme]\ntokens_per_minute = 100\n", encoding="utf-8")
+    args = serve_args(
+        "--tenants=t.toml", "--usage-db=u.db", "--rate-limit-store=redis://10.0.0.9:6379/2",
+        "--rate-limit-gateways=3",
+    )  # fmt: skip
+    assert gateway_api_flags(args, tmp_path) == [
+        f"--tenants={tmp_path / 't.toml'}",
+        "--rate-limit-store=redis://10.0.0.9:6379/2",
+        "--rate-limit-gateways=3",
+        f"--usage-db={tmp_path / 'u.db'}",
+    ]
+    Path("t.toml").write_text("[tenants.acme]\nmax_tokens = 0\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape("t.toml:2: tenant 'acme': max_tokens must be")):
+        gateway_api_flags(args, tmp_path)
 
 
 def test_serve_with_the_api_flags(tiny_dir: Path) -> None:

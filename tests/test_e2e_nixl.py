@@ -1,6 +1,8 @@
 """NIXL through real processes: kill -9 either side while a transfer is under way (held open by
 an injected delay, so the kill lands inside it): no stream hangs, every block comes back, and
-the restarted worker's new agent is introduced to its peer (the next request's KV moves)."""
+the restarted worker's new agent is introduced to its peer (the next request's KV moves, its
+greedy tokens transformers'). Prompts span several chunks; with ``--kv-stream-chunks`` the
+transfer goes in parts as they complete, and the kill lands mid-stream."""
 
 from __future__ import annotations
 
@@ -12,13 +14,19 @@ import threading
 import httpx
 import pytest
 
+from pdserve.engine.tokenizer import Tokenizer
 from tests.e2e_util import ServedCluster
+from tests.engine_util import hf_greedy
 from tests.gateway_util import wait_until
 from tests.test_e2e_resilience import pids_of, stream_events
 
 
-@pytest.mark.parametrize("dead", ["prefill", "decode"])
-def test_a_side_killed_mid_transfer(tiny_dir, dead: str) -> None:
+@pytest.mark.parametrize(
+    ("dead", "stream"),
+    [("prefill", False), ("decode", False), ("decode", True)],
+    ids=["prefill", "decode", "decode-kv-stream-chunks"],
+)
+def test_a_side_killed_mid_transfer(tiny_dir, dead: str, stream: bool) -> None:
     c = ServedCluster(
         tiny_dir,
         "--prefill=1",
@@ -26,6 +34,8 @@ def test_a_side_killed_mid_transfer(tiny_dir, dead: str) -> None:
         "--transfer-backend=nixl",
         "--kv-fault=delay:1:4",  # every offer leaves 4 s late: the transfer is open that long
         "--num-kv-blocks=256",
+        "--max-num-batched-tokens=32",  # chunks of 2 blocks: the prompts take several
+        *(["--kv-stream-chunks"] if stream else []),
     )
     try:
         body = {
@@ -66,11 +76,15 @@ def test_a_side_killed_mid_transfer(tiny_dir, dead: str) -> None:
         r = httpx.post(
             f"{c.url}/v1/completions",
             timeout=120,
-            json={**body, "stream": False, "max_tokens": 4},
+            json={**body, "stream": False, "max_tokens": 8, "temperature": 0},
         )
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 4
+        tok = Tokenizer.from_dir(tiny_dir)
+        assert r.json()["choices"][0]["text"] == tok.decode(
+            hf_greedy(tiny_dir, tok.encode(body["prompt"]), 8)
+        )
         assert set(c.wait_blocks_free().values()) == {0.0}
         assert "nixl: loaded peer" in c.output()
+        assert ("KV is offered chunk by chunk" in c.output()) is stream
     finally:
         c.stop()

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from pdserve.gateway.admission import key_matches
 from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, add_config_args, config_from_args
 from pdserve.gateway.main import add_gateway_args, run_gateway
+from pdserve.gateway.tenancy import OPEN, Tenancy
 from tests.gateway_util import COMPLETION, Serve, error, wait_for
 
 # ---- API keys ----------------------------------------------------------------------------------
@@ -48,12 +48,14 @@ def test_api_keys(serve: Serve) -> None:
         assert httpx.get(f"{url}{path}").status_code == 200
 
 
-def test_key_matches() -> None:
-    keys = ("sk-one", "sk-two")
-    given = (b"sk-one", b"sk-two", b"sk-on", b"sk-one ", b"", b"SK-ONE", b"sk-\xff")
-    assert [key_matches(k, keys) for k in given] == [True, True] + [False] * 5
-    assert key_matches(b"sk-one", ()) is False
-    assert key_matches("sk-é".encode(), ("sk-é",)) is True
+def test_keys_name_their_tenant() -> None:
+    tenancy = Tenancy(api_keys=("sk-one", "sk-two", "sk-é"))
+    given = (b"sk-one", b"sk-two", "sk-é".encode(), b"sk-on", b"sk-one ", b"", b"SK-ONE", b"\xff")
+    found = [tenancy.authenticate(k) for k in given]
+    assert [getattr(t, "name", None) for t in found] == ["default"] * 3 + [None] * 5
+    assert [getattr(t, "status", None) for t in found[3:]] == [401] * 5
+    assert getattr(tenancy.authenticate(None), "message", "").startswith("Missing API key")
+    assert Tenancy().authenticate(None) is OPEN and Tenancy().authenticate(b"any") is OPEN
 
 
 def test_no_keys_means_open(serve: Serve) -> None:

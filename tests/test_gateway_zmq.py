@@ -241,6 +241,7 @@ def test_completion_n2_tokens_out_of_order(
         sampling=m.SamplingParams(max_tokens=16),
         n=2,
         stream_address=gateway[1].stream_address,
+        share=m.Share(tenant="default", tier=m.Tier.STANDARD, weight=1),  # an open API's
     )
     batch = client.completions.create(model="tiny", prompt=["Hi", "Yo"], n=2, max_tokens=16)
     assert [c.text for c in batch.choices] == [*texts, *texts]
@@ -494,6 +495,8 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
         "body_timeout": 30.0, "max_connections": 2048, "model_alias": [], "chat_template": None,
         "allowed_origins": [], "allowed_methods": ["*"], "allowed_headers": ["*"],
         "allow_credentials": False, "tool_call_parser": "auto", "enable_auto_tool_choice": False,
+        "tenants": None, "rate_limit_store": "memory", "rate_limit_gateways": 1, "usage_db": None,
+        "rate_limit_store_password_file": None,
     }  # fmt: skip
     monkeypatch.delenv(COORDINATOR_ENV)
     parser = argparse.ArgumentParser()

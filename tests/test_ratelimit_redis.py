@@ -49,7 +49,8 @@ class RedisServer:
     """One ``redis-server`` on 127.0.0.1, no persistence; ``stop`` and ``start`` again keep
     the port (and lose the data, as a restarted cache would)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, password: str | None = None) -> None:
+        self.password = password
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -59,8 +60,9 @@ class RedisServer:
     def start(self) -> None:
         command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
         command += ["--save", "", "--appendonly", "no", "--dir", str(self.directory)]
+        command += ["--requirepass", self.password] if self.password else []
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, password=self.password)
         for _ in range(100):  # up to about 10 s
             try:
                 if client.ping():
@@ -77,10 +79,10 @@ class RedisServer:
             self.process = None
 
 
-def started(directory: Path) -> Generator[RedisServer, None, None]:
+def started(directory: Path, password: str | None = None) -> Generator[RedisServer, None, None]:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is missing: `make venv` installs Debian's package")
-    server = RedisServer(directory)
+    server = RedisServer(directory, password)
     server.start()
     try:
         yield server

@@ -357,7 +357,7 @@ def test_a_bad_file_at_start_is_an_error(tmp_path: Path) -> None:
 
 def test_the_readme_example_loads(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### Tenants (file and keys)\n", 1)[1]
+    section = readme.split("### Tenants, rate limits and usage\n", 1)[1]
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     tenant = load_tenants(write(tmp_path, example))["acme"]
     assert (tenant.tier, tenant.max_concurrent, tenant.weight) == (Tier.STANDARD, 16, 1)

@@ -69,3 +69,13 @@ def check_worker_args(args: argparse.Namespace, role: str) -> None:
             f"pdserve {role}: --stall-timeout must be longer than the heartbeat period "
             f"({HEARTBEAT_PERIOD_S:g}s), got {args.stall_timeout:g}"
         )
+
+
+def check_stream_chunks(args: argparse.Namespace, command: str) -> None:
+    """``--kv-stream-chunks`` (prefill workers, ``pdserve serve``) only where the transfer
+    backend can send a transfer in parts (nixl): a ``SystemExit`` saying so otherwise."""
+    if args.kv_stream_chunks and args.transfer_backend != "nixl":
+        raise SystemExit(
+            f"pdserve {command}: --kv-stream-chunks needs --transfer-backend nixl (the decode "
+            f"worker reads each part while later chunks compute), not {args.transfer_backend}"
+        )
