@@ -33,7 +33,8 @@ from pdserve.gateway.ratelimit import retry_after as retry_after_of
 from pdserve.gateway.ratelimit_redis import FallbackStore
 from pdserve.gateway.ratelimit_store import Limits, MemoryStore
 from pdserve.gateway.tenants import UNLIMITED, Tenant, Tenants, TenantsError, TenantsFile
-from pdserve.gateway.usage import UsageMeter, UsageRecord, UsageTotals
+from pdserve.gateway.usage import UsageRecord, UsageTotals
+from pdserve.gateway.usage_meter import UsageMeter
 
 log = logging.getLogger(__name__)
 

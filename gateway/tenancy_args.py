@@ -22,7 +22,8 @@ from pdserve.gateway.ratelimit_redis import FallbackStore, RedisStore
 from pdserve.gateway.ratelimit_store import LimiterStore, MemoryStore
 from pdserve.gateway.tenancy import Tenancy
 from pdserve.gateway.tenants import TenantsError, TenantsFile
-from pdserve.gateway.usage import UsageDbError, UsageMeter, UsageStore
+from pdserve.gateway.usage import UsageDbError, UsageStore
+from pdserve.gateway.usage_meter import UsageMeter
 
 log = logging.getLogger(__name__)
 

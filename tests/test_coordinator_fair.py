@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.protocol import messages as m
-from pdserve.protocol.control import Heartbeat, Register, WorkerLoad
+from pdserve.protocol.control import Heartbeat, WorkerLoad
 from pdserve.protocol.tenancy import Share, Tier
-from tests.test_coordinator_waits import LAYOUT, Outbox, reserved
+from tests.test_coordinator_waits import Outbox, register, reserved
 
 SPEC = m.SamplingParams(max_tokens=4)
 
@@ -23,17 +23,7 @@ def cluster(decode_blocks: int = 4, **options: object) -> tuple[Coordinator, Out
     out = Outbox()
     c = Coordinator(out, heartbeat_timeout_s=1e9, **options)  # type: ignore[arg-type]
     for role, wid, blocks in (("decode", "d0", decode_blocks), ("prefill", "p0", 64)):
-        register = Register(
-            role=role,
-            worker_id=wid,
-            model="tiny",
-            control_address=wid,
-            transfer_address=f"t-{wid}",
-            transfer_backend="zmq",
-            layout=LAYOUT,
-            num_blocks=blocks,
-        )
-        c.handle(register, 0.0)
+        register(c, role, wid, blocks)
     return c, out
 
 

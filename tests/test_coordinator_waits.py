@@ -41,34 +41,27 @@ def cluster(decode: dict[str, int], prefill: tuple[str, ...] = ("p0",)) -> tuple
     out = Outbox()
     c = Coordinator(out, heartbeat_timeout_s=1e9, reserve_timeout_s=5, prefill_timeout_s=50)
     for wid, blocks in decode.items():
-        c.handle(
-            Register(
-                role="decode",
-                worker_id=wid,
-                model="tiny",
-                control_address=wid,
-                transfer_address=f"t-{wid}",
-                transfer_backend="zmq",
-                layout=LAYOUT,
-                num_blocks=blocks,
-            ),
-            0.0,
-        )
+        register(c, "decode", wid, blocks)
     for wid in prefill:
-        c.handle(
-            Register(
-                role="prefill",
-                worker_id=wid,
-                model="tiny",
-                control_address=wid,
-                transfer_address="",
-                transfer_backend="zmq",
-                layout=LAYOUT,
-                num_blocks=64,
-            ),
-            0.0,
-        )
+        register(c, "prefill", wid, 64)
     return c, out
+
+
+def register(c: Coordinator, role: str, wid: str, blocks: int) -> None:
+    """Worker ``wid`` of ``role`` registers with ``blocks`` KV blocks of 16 tokens."""
+    c.handle(
+        Register(
+            role=role,
+            worker_id=wid,
+            model="tiny",
+            control_address=wid,
+            transfer_address=f"t-{wid}" if role == "decode" else "",
+            transfer_backend="zmq",
+            layout=LAYOUT,
+            num_blocks=blocks,
+        ),
+        0.0,
+    )
 
 
 def generate(c: Coordinator, rid: str, prompt_len: int = 20, now: float = 0.0) -> None:

@@ -7,6 +7,7 @@ count is exact."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +23,8 @@ from pdserve.gateway.ratelimit import RateLimiter, format_duration
 from pdserve.gateway.ratelimit_store import MemoryStore
 from pdserve.gateway.tenancy import Tenancy
 from pdserve.gateway.tenants import TenantsFile, hash_key
-from pdserve.gateway.usage import UsageMeter, UsageStore
+from pdserve.gateway.usage import UsageStore
+from pdserve.gateway.usage_meter import UsageMeter
 from pdserve.protocol.tenancy import Share, Tier
 from tests.gateway_util import MODELS, FakeBackend, Script, parse_prometheus, running_server
 
@@ -53,6 +55,13 @@ class Gw:
     backend: FakeBackend
     tenancy: Tenancy
     clock: list[float]
+
+    def stream(self, tenant: str, **body: object) -> AbstractContextManager[httpx.Response]:
+        """A streamed completion of ``body``'s for ``tenant``'s key."""
+        payload = {"model": "tiny", "stream": True, **body}
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        url = f"{self.url}/v1/completions"
+        return httpx.stream("POST", url, json=payload, headers=headers, timeout=30)
 
     def post(self, tenant: str, stream: bool = False, **body: object) -> httpx.Response:
         payload = {"model": "tiny", "prompt": "Hi there", "stream": stream, **body}
@@ -98,12 +107,7 @@ def test_admission_charges_and_gives_back_exactly(gw: Gw) -> None:
         "x-ratelimit-reset-tokens": format_duration((prompt + 10) * 0.060),
     }
     # a stream: charged what it generated, 10 - completion given back at its end
-    with httpx.stream(
-        "POST",
-        f"{gw.url}/v1/completions",
-        json={"model": "tiny", "prompt": "Hi there", "stream": True, "max_tokens": 10},
-        headers={"Authorization": "Bearer sk-acme"},
-    ) as streamed:
+    with gw.stream("acme", prompt="Hi there", max_tokens=10) as streamed:
         assert streamed.status_code == 200
         assert limits(streamed)["x-ratelimit-remaining-requests"] == "1"
         left = 1000 - prompt - completion - prompt - 10
@@ -153,12 +157,7 @@ def test_token_limits_and_max_tokens(gw: Gw) -> None:
 
 def test_concurrency_slot_held_by_a_stream_and_freed_at_its_end(gw: Gw, tok: Tokenizer) -> None:
     gw.backend.script = Script([[*tok.encode("ok ok", False)]], hang_after=1)
-    with httpx.stream(
-        "POST",
-        f"{gw.url}/v1/completions",
-        json={"model": "tiny", "prompt": "Hi", "stream": True, "max_tokens": 5},
-        headers={"Authorization": "Bearer sk-solo"},
-    ) as held:
+    with gw.stream("solo", prompt="Hi", max_tokens=5) as held:
         assert held.status_code == 200
         lines = held.iter_lines()  # kept: a dropped iterator closes the connection
         assert next(lines).startswith("data: ")  # its first event: it runs

@@ -17,11 +17,11 @@ from pdserve.gateway.metrics import Outcome
 from pdserve.gateway.usage import (
     EPOCH,
     UsageDbError,
-    UsageMeter,
     UsageRecord,
     UsageStore,
     UsageTotals,
 )
+from pdserve.gateway.usage_meter import UsageMeter
 from pdserve.launch.cli import main
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
