@@ -193,7 +193,7 @@ def run_arm(
 
 def run(args: argparse.Namespace, directory: Path) -> dict[str, list[dict[str, Any]]]:
     path, keys = tenants_file(directory, args)
-    flags = ["--num-kv-blocks=1024"]
+    flags = ["--num-kv-blocks=1024", *args.serve_flag]
     clusters = {}
     try:
         tenants = [*flags, f"--tenants={path}"]
@@ -258,6 +258,14 @@ def main() -> None:
     p.add_argument("--flood-rpm", type=int, default=60, help="the flooder's requests a minute")
     p.add_argument("--flood-concurrent", type=int, default=2, help="the flooder's in flight")
     p.add_argument("--warmup", type=float, default=3.0, help="s of flood before measuring")
+    p.add_argument(
+        "--serve-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more pdserve serve flag for both clusters (repeatable), e.g. "
+        "--serve-flag=--max-num-batched-tokens=64",
+    )
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args()
     started = time.monotonic()
