@@ -38,10 +38,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from pdserve.coordinator.dispatch import LocalPrefill, Reservations
 from pdserve.coordinator.peers import TransferPeers
 from pdserve.coordinator.placement import Placement
+from pdserve.coordinator.planner import Planner
+from pdserve.coordinator.planning import Planning, default_planner
 from pdserve.coordinator.policies import (
     HOT_SPOT_TOKENS,
     MAX_QUEUED,
@@ -77,6 +80,10 @@ class Coordinator:
         max_prefill_queue_tokens: int = 0,
         routing: str | RoutingMode = RoutingMode.KV,
         hot_spot_tokens: int = HOT_SPOT_TOKENS,
+        make_planner: Callable[[str], Planner] = default_planner,
+        planner_interval_s: float = 5.0,
+        planner_window_s: float = 30.0,
+        auto_local: bool = False,
     ) -> None:
         timeouts = Timeouts(reserve_timeout_s, prefill_timeout_s, queue_timeout_s)
         disagg = ConditionalDisaggPolicy(max_local_prefill_tokens, max_prefill_queue_tokens)
@@ -84,7 +91,15 @@ class Coordinator:
         self.admission = AdmissionPolicy(max_queued)
         self.placement = Placement(self.registry, RoutingMode.parse(routing), hot_spot_tokens)
         self.reservations = Reservations(self.shared, self.placement, self.admission)
-        self.local = LocalPrefill(self.shared, self.placement, disagg)
+        self.planning = Planning(
+            self.registry,
+            make_planner,
+            interval_s=planner_interval_s,
+            window_s=planner_window_s,
+            auto_local=auto_local,
+            queued=self._queued,
+        )
+        self.local = LocalPrefill(self.shared, self.placement, disagg, self.planning.threshold)
         self.peers = TransferPeers(self.shared)
         parts = (self.shared, self.placement, self.reservations, timeouts, self.peers)
         self.recovery = Recovery(*parts)
@@ -117,7 +132,12 @@ class Coordinator:
         elif isinstance(msg, KVEvents):
             self.registry.kv_events(msg)
         elif isinstance(msg, m.GatewayHello):
-            state = dataclasses.replace(self.registry.cluster_state(), routing=self._routing())
+            self.planning.heard(msg, now)
+            state = dataclasses.replace(
+                self.registry.cluster_state(),
+                routing=self._routing(),
+                plans=self.planning.reports(),
+            )
             self.shared.outbox.to_gateway(msg.stream_address, state)
         elif isinstance(msg, m.Generate):
             self._generate(msg)
@@ -140,6 +160,11 @@ class Coordinator:
         self.recovery.expire_workers(now)
         self.recovery.expire_waits(now)
         self.reservations.place_queued()
+        self.planning.tick(now)
+
+    def _queued(self, model: str) -> int:
+        """Choices of ``model`` waiting for decode blocks."""
+        return sum(r.request.model == model for r in self.routes.in_state(RouteState.QUEUED))
 
     def _routing(self) -> dict[str, int]:
         """Every routing decision by reason: each choice's route, each prefill placement."""
@@ -179,6 +204,7 @@ class Coordinator:
         if not reg.ready(req.model):
             shared.error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
             return
+        self.planning.arrived(req, shared.now)
         blocks, block_size = self.placement.decode_capacity(req.model)
         error = self.admission.too_big(
             prompt_tokens=len(req.prompt_token_ids),

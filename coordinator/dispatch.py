@@ -18,7 +18,9 @@ says which way it went.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 from pdserve.coordinator.placement import Placement
 from pdserve.coordinator.policies import AdmissionPolicy, ConditionalDisaggPolicy, LocalReason
@@ -175,20 +177,33 @@ class LocalPrefill:
     ``PrefillJob`` with no destination sent there, and the ``Accepted`` for each choice."""
 
     def __init__(
-        self, shared: Shared, placement: Placement, policy: ConditionalDisaggPolicy
+        self,
+        shared: Shared,
+        placement: Placement,
+        policy: ConditionalDisaggPolicy,
+        threshold: Callable[[str], int | None] = lambda model: None,
     ) -> None:
         self.shared = shared
         self.placement = placement
         self.policy = policy
+        self.threshold = threshold  # the planner's local-prefill threshold per model, if set
+
+    def policy_for(self, model: str) -> ConditionalDisaggPolicy:
+        """The policy with the planner's threshold for ``model`` where it sets one."""
+        limit = self.threshold(model)
+        if limit is None:
+            return self.policy
+        return dataclasses.replace(self.policy, max_local_prefill_tokens=limit)
 
     def prefill_on_decode(self, req: m.Generate) -> LocalReason | None:
         """Conditional disaggregation: why the request went to a decode worker to prefill
         itself rather than through a transfer; None when it did not (the policy says no, or
         no decode worker has room now: the usual path queues it)."""
-        if not self.policy.enabled:
+        policy = self.policy_for(req.model)
+        if not policy.enabled:
             return None
         shared, prompt = self.shared, req.prompt_token_ids
-        reason = self.policy.reason(
+        reason = policy.reason(
             prompt_tokens=len(prompt),
             # the part of the prompt its decode worker would compute: a conversation's next
             # turn is short even when its history is long

@@ -11,15 +11,23 @@ import zmq
 
 from pdserve import envs
 from pdserve.coordinator.coordinator import Coordinator
+from pdserve.coordinator.planner_args import add_planner_args, planner_factory
 from pdserve.coordinator.policies import HOT_SPOT_TOKENS, ROUTING_MODES
 from pdserve.protocol.codec import Message
+from pdserve.protocol.roles import Receiver
 from pdserve.runtime import security
+from pdserve.runtime.gate import RoleGate
+from pdserve.runtime.health_http import LoopTicks, add_health_args, start_health
 from pdserve.runtime.loop import PushOutbox, RateLimitedLog, serve, stop_on_signals
 from pdserve.runtime.sockets import bound_address, make_socket
 
 log = logging.getLogger(__name__)
 
 GATEWAY_IDLE_S = 30.0  # a gateway hellos every second: one silent this long is gone
+# /livez, /readyz (--health-port): the loop ticks every 0.5 s; not for this long is stalled,
+# and ready is a first tick and one within LOOP_READY_S
+LOOP_STALL_S = 30.0
+LOOP_READY_S = 5.0
 
 
 class _Outbox(PushOutbox):
@@ -92,9 +100,11 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         "--max-gateways", type=int, default=64, help="gateways served at once (the rest wait)"
     )
     add_routing_args(parser)
+    add_planner_args(parser)
     parser.add_argument(
         "--address-file", default=None, help="write the bound inbox address here once listening"
     )
+    add_health_args(parser)
 
 
 def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -117,10 +127,12 @@ def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     )
     parser.add_argument(
         "--max-local-prefill-tokens",
-        type=int,
-        default=0,
+        type=_local_tokens,
+        default="auto",
+        metavar="N|auto",
         help="prompts whose part not cached on their decode worker is at most this many tokens "
-        "are prefilled by that worker, with no KV transfer (0: off)",
+        "are prefilled by that worker, with no KV transfer (0: off; auto: the planner's "
+        "figure, from the model's profile and the load)",
     )
     parser.add_argument(
         "--max-prefill-queue-tokens",
@@ -129,6 +141,18 @@ def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
         help="while every prefill worker has more prompt tokens than this queued, decode "
         "workers prefill new requests themselves (0: off)",
     )
+
+
+def _local_tokens(value: str) -> str | int:
+    if value == "auto":
+        return value
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a token count or 'auto', not {value!r}") from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (0: off)")
+    return tokens
 
 
 def routing_flags(args: argparse.Namespace) -> list[str]:
@@ -145,7 +169,13 @@ def run_coordinator(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve coordinator: --max-gateways must be at least 1")
     if args.kv_hot_spot_tokens < 0:
         raise SystemExit("pdserve coordinator: --kv-hot-spot-tokens must be >= 0 (0: no guard)")
-    ctx = security.context(security.from_env())
+    try:
+        planners = planner_factory(args)
+    except ValueError as e:
+        raise SystemExit(f"pdserve coordinator: {e}") from e
+    auto_local = args.max_local_prefill_tokens == "auto"
+    keys = security.from_env()
+    ctx = security.context(keys)
     inbox = make_socket(ctx, zmq.PULL, args.bind, bind=True)
     address = bound_address(inbox)
     outbox = _Outbox(ctx, args.max_gateways)
@@ -155,10 +185,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
         reserve_timeout_s=args.reserve_timeout,
         prefill_timeout_s=args.prefill_timeout,
         queue_timeout_s=args.queue_timeout,
-        max_local_prefill_tokens=args.max_local_prefill_tokens,
+        max_local_prefill_tokens=0 if auto_local else args.max_local_prefill_tokens,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         routing=args.routing,
         hot_spot_tokens=args.kv_hot_spot_tokens,
+        make_planner=planners,
+        planner_interval_s=args.planner_interval,
+        planner_window_s=args.planner_window,
+        auto_local=auto_local,
     )
     if args.address_file:
         tmp = f"{args.address_file}.tmp"
@@ -168,8 +202,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
     log.info("coordinator listening on %s", address)
     print(f"coordinator inbox: {address}", flush=True)
     stop = stop_on_signals()
+    ticks = LoopTicks(stall_s=LOOP_STALL_S, ready_s=LOOP_READY_S)
+    health = start_health(args, ticks.livez, ticks.readyz)
 
     def periodic(now: float) -> None:
+        ticks.tick(now)
         coordinator.tick(now)
         outbox.expire_gateways(now)
 
@@ -183,8 +220,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
             period_s=0.5,
             idle_wait_ms=50,
             with_sender=True,
+            admit=RoleGate(keys, Receiver.COORDINATOR).admit,  # who may send what (roles)
         )
     finally:
+        if health is not None:
+            health.close()
         outbox.close()
         inbox.close()
         ctx.term()

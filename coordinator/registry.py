@@ -184,7 +184,10 @@ class WorkerRegistry:
         """Drop and return workers silent for longer than the heartbeat timeout."""
         dead = [w for w in self.workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
         for w in dead:
-            logger.warning("worker %s (%s) missed its heartbeats", w.worker_id, w.info.role)
+            if w.load.draining:  # retired: its drain ended and it exited
+                logger.info("worker %s (%s) drained and left", w.worker_id, w.info.role)
+            else:
+                logger.warning("worker %s (%s) missed its heartbeats", w.worker_id, w.info.role)
             del self.workers[w.worker_id]
             self.owners.pop(w.worker_id, None)  # a dead id may be taken by any key again
             self.kv.drop(w.worker_id)

@@ -53,6 +53,7 @@ from pdserve.gateway.headers import add_header_middleware
 from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
 from pdserve.gateway.metrics import GatewayMetrics, Outcome
 from pdserve.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.planning import planner_json
 from pdserve.gateway.prometheus import CONTENT_TYPE
 from pdserve.gateway.responses import (
     BoundedStreamingResponse,
@@ -176,7 +177,9 @@ class Gateway:
     def metrics_text(self) -> Response:
         self.metrics.in_flight.set(self.admission.in_flight)
         backend = self.backend
-        text = self.metrics.render(backend.worker_stats(), backend.routing_decisions())
+        text = self.metrics.render(
+            backend.worker_stats(), backend.routing_decisions(), backend.plans()
+        )
         return Response(text + self.tenancy.metrics_text(), media_type=CONTENT_TYPE)
 
 
@@ -253,6 +256,12 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics_text(request: Request) -> Response:
     return gateway_of(request).metrics_text()
+
+
+@router.get("/planner")
+async def planner(request: Request) -> dict[str, Any]:
+    """The planner's latest plan per model and the figures it read (``gateway.planning``)."""
+    return planner_json(gateway_of(request).backend.plans())
 
 
 def create_app(

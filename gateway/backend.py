@@ -65,3 +65,7 @@ class Backend(abc.ABC):
     def routing_decisions(self) -> dict[str, int]:
         """The coordinator's routing decisions so far by reason, for ``/metrics``."""
         return {}
+
+    def plans(self) -> list[m.PlanReport]:
+        """The planner's latest plan per model, for ``/metrics`` and ``GET /planner``."""
+        return []

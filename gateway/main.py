@@ -26,6 +26,7 @@ from pdserve.gateway.chat_template import tokenizer_loader
 from pdserve.gateway.config import GatewayConfig, add_config_args, config_from_args
 from pdserve.gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
 from pdserve.gateway.http_limits import header_deadline_protocol
+from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.tenancy import Tenancy
 from pdserve.gateway.tenancy_args import add_tenancy_args, tenancy_from_args
 from pdserve.gateway.zmq_backend import ZmqBackend
@@ -59,7 +60,11 @@ def gateway_app(
 
     template = config.chat_template if config is not None else None
     tokenizers = LazyTokenizers(backend.model_roots, tokenizer_loader(template))
-    return create_app(backend, tokenizers, lifespan=lifespan, config=config, tenancy=tenancy)
+    metrics = GatewayMetrics()
+    backend.samples = metrics.samples.drain  # each hello takes the planner's samples
+    return create_app(
+        backend, tokenizers, metrics=metrics, lifespan=lifespan, config=config, tenancy=tenancy
+    )
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:

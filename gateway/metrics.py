@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 
+from pdserve.gateway.planning import LatencySampler, PlannerMetrics
 from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS
@@ -72,11 +73,17 @@ class GatewayMetrics:
             Gauge("pdserve_gateway_requests_in_flight", "Generation requests in this gateway.")
         )
         self.cluster = ClusterMetrics(r)
+        self.planner = PlannerMetrics(r)
+        self.samples = LatencySampler()  # what the next hello tells the planner
 
     def render(
-        self, stats: Iterable[m.WorkerStatus] = (), routing: Mapping[str, int] | None = None
+        self,
+        stats: Iterable[m.WorkerStatus] = (),
+        routing: Mapping[str, int] | None = None,
+        plans: Iterable[m.PlanReport] = (),
     ) -> str:
         self.cluster.set(stats, routing or {})
+        self.planner.set(list(plans))
         return self.registry.render()
 
 
@@ -164,16 +171,24 @@ class ClusterMetrics:
 class RunMetrics:
     """What one request adds to ``GatewayMetrics`` (none: nothing): its prompt tokens once
     admitted, the time to its first token, the gaps between each choice's tokens, the tokens
-    streamed, and its outcome, with its whole latency when it succeeded."""
+    streamed, and its outcome, with its whole latency when it succeeded; and, for the planner,
+    its ``model``'s samples (time to first token, each choice's tokens and time per token)."""
 
     def __init__(
-        self, metrics: GatewayMetrics | None, clock: Callable[[], float], arrival: float
+        self,
+        metrics: GatewayMetrics | None,
+        clock: Callable[[], float],
+        arrival: float,
+        model: str = "",
     ) -> None:
         self._metrics = metrics
         self._clock = clock
         self._arrival = arrival
+        self._model = model
         self._first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}  # choice -> its last update's time
+        self._choice_first: dict[int, float] = {}  # choice -> its first update's time
+        self._choice_tokens: dict[int, int] = {}
 
     def admitted(self, prompt_tokens: int) -> None:
         if self._metrics is not None:
@@ -187,6 +202,10 @@ class RunMetrics:
         if self._first_token_at is None:
             self._first_token_at = now
             self._metrics.ttft.observe(now - self._arrival)
+            if self._model:
+                self._metrics.samples.first_token(self._model, now - self._arrival)
+        self._choice_first.setdefault(choice, now)
+        self._choice_tokens[choice] = self._choice_tokens.get(choice, 0) + num_tokens
         # The tokens of one update share the time since the choice's previous update; after
         # the choice's first token, its batch-mates arrived with it (out-of-order arrivals).
         last = self._last_token_at.get(choice)
@@ -203,3 +222,11 @@ class RunMetrics:
             self._metrics.requests.inc(outcome=outcome.value)
             if outcome is Outcome.SUCCESS:
                 self._metrics.e2e.observe(self._clock() - self._arrival)
+                self._sample_choices()
+
+    def _sample_choices(self) -> None:
+        if self._metrics is None or not self._model:
+            return
+        for choice, tokens in self._choice_tokens.items():
+            decode_s = self._last_token_at[choice] - self._choice_first[choice]
+            self._metrics.samples.choice_ended(self._model, tokens, decode_s)

@@ -81,7 +81,7 @@ class JobRun:
         self._backend = backend
         self._clock = clock
         self._arrival = clock()
-        self._metrics = RunMetrics(metrics, clock, self._arrival)
+        self._metrics = RunMetrics(metrics, clock, self._arrival, job.requests[0].model)
         texts = TokenTexts(tokenizer) if job.logprobs else None
         self.choices = [
             ChoiceState(

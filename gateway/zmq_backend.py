@@ -7,6 +7,9 @@ back from the workers::
                                   ◀── Accepted, ClusterState (coordinator)
                                   ◀── RequestError (coordinator or a worker)
 
+each from a key of the role that sends it (``protocol.roles``: a worker's key cannot send a
+``ClusterState``); anything else is refused and logged.
+
 ``submit`` returns once the coordinator has accepted every choice (decode blocks reserved,
 prefill job sent: milliseconds, however long the prefill queue) or raises its refusal, so a
 refused request, streamed or not, is answered with its own status (503 and ``Retry-After``
@@ -42,8 +45,10 @@ from pdserve.gateway.token_streams import Pending, choice_events, until_accepted
 from pdserve.protocol import messages as m
 from pdserve.protocol.checks import ProtocolError
 from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.roles import Receiver
 from pdserve.runtime import security
-from pdserve.runtime.sockets import bound_address, make_socket
+from pdserve.runtime.gate import RoleGate
+from pdserve.runtime.sockets import bound_address, make_socket, sender_of
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +68,13 @@ class ZmqBackend(Backend):
         state_timeout_s: float = 3.0,
         max_migrations: int = 3,
         clock: Callable[[], float] = time.monotonic,
+        samples: Callable[[], list[m.LatencySamples]] = list,
     ) -> None:
         """``stream_bind`` is where workers and the coordinator reach this gateway; ``:0``
         picks a free port (``stream_address`` holds the bound address once started). The
-        cluster counts as gone when no ``ClusterState`` came for ``state_timeout_s``."""
+        cluster counts as gone when no ``ClusterState`` came for ``state_timeout_s``.
+        ``samples``: the latencies each hello carries to the planner (taken, then empty)."""
+        self.samples = samples
         self.coordinator_address = coordinator_address
         self.stream_bind = stream_bind
         self.stream_address = ""
@@ -89,6 +97,8 @@ class ZmqBackend(Backend):
         (in the running event loop: the server's)."""
         # CURVE on both sockets with the keys `pdserve gateway --keys` exported (none: plain)
         self._ctx = security.async_context(security.from_env())
+        # tokens from worker keys only, the cluster's state from the coordinator's
+        self.gate = RoleGate(security.security_of(self._ctx), Receiver.GATEWAY)
         try:
             self._stream = make_socket(self._ctx, zmq.PULL, self.stream_bind, bind=True)
             self.stream_address = bound_address(self._stream)
@@ -175,6 +185,9 @@ class ZmqBackend(Backend):
     def routing_decisions(self) -> dict[str, int]:
         return {} if self._state is None else dict(self._state.routing)
 
+    def plans(self) -> list[m.PlanReport]:
+        return [] if self._state is None else list(self._state.plans)
+
     # ---- internals ---------------------------------------------------------------------------
 
     async def _events(self, request: m.Generate, pending: Pending) -> AsyncIterator[m.TokenChunk]:
@@ -198,9 +211,11 @@ class ZmqBackend(Backend):
     async def _receive_loop(self) -> None:
         stream = self._stream
         while stream is not None:
-            frames = await stream.recv_multipart()
+            frames = await stream.recv_multipart(copy=False)
             try:
-                self._dispatch(decode(frames))
+                msg = decode([f.buffer for f in frames])
+                if self.gate.admit(msg, sender_of(frames[0])):
+                    self._dispatch(msg)
             except ProtocolError as e:
                 log.warning("dropped a bad message on the token stream: %s", e)
             except Exception:  # a bug must not stop every other request's tokens
@@ -229,8 +244,8 @@ class ZmqBackend(Backend):
         pending.queue.put_nowait(msg)
 
     async def _hello_loop(self) -> None:
-        hello = encode(m.GatewayHello(self.stream_address))
         while True:
+            hello = encode(m.GatewayHello(self.stream_address, self.samples()))
             if not await self._send(hello):
                 log.debug("no connection to the coordinator at %s yet", self.coordinator_address)
             self._fail_unanswered()

@@ -32,7 +32,10 @@ from pdserve.kvtransfer.base import (
     check_layouts,
 )
 from pdserve.protocol.checks import ProtocolError
-from pdserve.runtime.sockets import bound_address, make_socket
+from pdserve.protocol.roles import Receiver
+from pdserve.runtime.gate import RoleGate
+from pdserve.runtime.security import security_of
+from pdserve.runtime.sockets import bound_address, make_socket, sender_of
 
 log = logging.getLogger("pdserve.kvtransfer.gpu")
 
@@ -70,6 +73,7 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
         self._stream = self._side_stream()
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
+        self.gate = RoleGate(security_of(self._ctx), Receiver.KV)  # prefill keys only
         self._incoming: dict[str, Incoming] = {}  # receiver thread only
         # control messages only; set before bind, where it applies
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind, bind=True, max_msg_bytes=1 << 20)
@@ -113,9 +117,15 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
         while not self._stop.is_set():
             timeout = _BUSY_POLL_MS if self._incoming else _IDLE_POLL_MS
             if self._sock.poll(timeout, zmq.POLLIN):
-                identity, frame = self._sock.recv_multipart()
+                parts = self._sock.recv_multipart(copy=False)
                 try:
-                    reply = self._handle(identity, frame)
+                    # [identity, message]: anything else is not a sender's (dropped)
+                    identity = parts[0].bytes
+                    reply = None
+                    if len(parts) == 2:
+                        reply = self._handle(identity, parts[1].bytes, sender_of(parts[1]))
+                    else:
+                        log.warning("%s receiver: dropped %d frames", self.backend, len(parts))
                     if reply is not None:
                         self._sock.send_multipart([identity, w.encode(reply)])
                         self._after_reply(identity, reply)
@@ -124,11 +134,13 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
             self._complete()
             self._table.expire()
 
-    def _handle(self, identity: bytes, frame: bytes) -> Any:
+    def _handle(self, identity: bytes, frame: bytes, sender: str = "") -> Any:
         try:
             msg = w.decode(frame)
         except ProtocolError as exc:
             log.warning("%s receiver: dropped a bad control message: %s", self.backend, exc)
+            return None
+        if not self.gate.admit_tag(w.TAGS[type(msg)], sender):
             return None
         if isinstance(msg, w.Hello):
             if msg.backend != self.backend:

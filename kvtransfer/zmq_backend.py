@@ -30,7 +30,10 @@ from pdserve.kvtransfer.base import (
 )
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.protocol.messages import KVHeader, ProtocolError, decode, encode
-from pdserve.runtime.sockets import bound_address, make_socket
+from pdserve.protocol.roles import Receiver
+from pdserve.runtime.gate import RoleGate
+from pdserve.runtime.security import security_of
+from pdserve.runtime.sockets import bound_address, make_socket, sender_of
 
 log = logging.getLogger("pdserve.kvtransfer.zmq")
 
@@ -156,6 +159,7 @@ class ZmqKVReceiver(table.TableBackedReceiver, KVReceiver):
         self._init_receiver("zmq", kv_layers, require_checksum)
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
+        self.gate = RoleGate(security_of(self._ctx), Receiver.KV)  # prefill keys only
         # no frame may exceed a whole layer of this cache (set before bind, where it applies)
         limit = common.layer_nbytes(self._layout, self._num_blocks)
         self._sock = make_socket(self._ctx, zmq.PULL, bind, bind=True, max_msg_bytes=limit)
@@ -190,6 +194,8 @@ class ZmqKVReceiver(table.TableBackedReceiver, KVReceiver):
             log.warning(
                 "zmq receiver: dropped a %s where a KVHeader belongs", type(header).__name__
             )
+            return
+        if not self.gate.admit(header, sender_of(frames[0])):
             return
         rid = header.request_id
         with self._table.lock:

@@ -28,6 +28,16 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """SIGTERM, not waited for: a worker drains (finishes its streams, takes nothing new)."""
+        if self.proc is not None and self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL, not waited for (``alive`` reaps it)."""
+        if self.proc is not None and self.alive():
+            self.proc.kill()
+
     def stop(self, timeout_s: float) -> None:
         if not self.alive():
             return

@@ -51,10 +51,13 @@ def _role(
 
 def _run_role(name: str, keys: bool, run: Callable[..., int], args, *extra: str) -> int:
     if keys:
+        from pdserve.protocol.roles import command_roles
         from pdserve.runtime.security import KeysError, export
 
+        # its key must hold the roles it sends as, or every receiver would refuse it
+        needs = command_roles(name, colocated=getattr(args, "colocated", False))
         try:
-            export(args)  # every socket this process makes reads its keys from there
+            export(args, needs=needs)  # every socket this process makes reads its keys there
         except KeysError as e:
             print(f"pdserve {name}: {e}", file=sys.stderr)
             return 2
@@ -129,6 +132,13 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
         "add_gateway_args",
         "run_gateway",
         keys=True,
+    ),
+    "profile": _role(
+        "profile",
+        "measure a model's prefill and decode speed here, for the planner",
+        "pdserve.launch.profile",
+        "add_profile_args",
+        "run_profile",
     ),
     "bench": _role(
         "bench",

@@ -1,11 +1,14 @@
-"""``pdserve keygen``: a cluster's CURVE keys, one self-contained directory per node.
+"""``pdserve keygen``: a cluster's CURVE keys, one self-contained directory per node, each
+identity bound to the roles it runs as (``protocol.roles``: what each role may send).
 
-    pdserve keygen --out keys --nodes nodeA nodeB nodeC
+    pdserve keygen --out keys --nodes nodeA:coordinator+gateway nodeB:prefill nodeC:decode
     # copy keys/nodeB to node B (it holds nodeB's secret key and the cluster's server key),
     # then: PDSERVE_KEYS=/path/to/nodeB launch/prefill.sh ...
 
-``pdserve serve`` makes its own keys per launch (one identity per process) with ``keygen``.
-See ``runtime/security.py`` for the layout.
+Every node names its roles: a key's roles are what receivers let it send, so none is given by
+default (``all`` is every role, for a node that runs the whole cluster). A colocated decode
+worker needs ``prefill+decode``. ``pdserve serve`` makes its own keys per launch (one identity
+per process) with ``keygen``. See ``runtime/security.py`` for the layout.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from zmq.auth import create_certificates
-
+from pdserve.protocol.roles import ALL, ROLES, format_roles, parse_roles
+from pdserve.runtime.keyfiles import write_identity
 from pdserve.runtime.security import AUTHORIZED, SERVER, KeysError
 
 
@@ -25,31 +29,58 @@ def add_keygen_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nodes",
         nargs="+",
-        default=["node"],
-        metavar="NAME",
-        help="one identity (and directory OUT/NAME) per node; a worker id is bound to the key "
-        "that registered it",
+        required=True,
+        metavar="NAME:ROLE[+ROLE...]",
+        help=f"one identity (and directory OUT/NAME) per node, with the roles it runs as "
+        f"({', '.join(ROLES)}; '{ALL}': every one): its key may send only what those roles "
+        "send, and a worker id is bound to the key that registered it",
     )
 
 
 def run_keygen(args: argparse.Namespace) -> int:
     try:
-        keygen(args.out, args.nodes)
-        dirs = node_dirs(args.out, args.nodes)
+        nodes = dict(parse_node(spec) for spec in args.nodes)
+        if len(nodes) != len(args.nodes):
+            raise KeysError(f"keygen needs distinct identity names, got {args.nodes}")
+        keygen(args.out, nodes)
+        dirs = node_dirs(args.out, list(nodes))
     except (KeysError, OSError) as e:
         print(f"pdserve keygen: {e}", file=sys.stderr)
         return 1
     for d in dirs:
-        print(f"{d}: copy to node {d.name}, then pass --keys {d} (or PDSERVE_KEYS)")
+        roles = format_roles(nodes[d.name])
+        print(f"{d}: copy to node {d.name} ({roles}), then pass --keys {d} (or PDSERVE_KEYS)")
     return 0
 
 
-def keygen(out: str | Path, names: list[str]) -> Path:
-    """Write a cluster's keys into ``out`` (one directory holding every identity); returns it.
+def parse_node(spec: str) -> tuple[str, frozenset[str]]:
+    """``nodeB:prefill+decode`` -> (name, roles); ``KeysError`` if the roles are missing or
+    unknown."""
+    name, sep, roles = spec.partition(":")
+    if not sep:
+        raise KeysError(
+            f"node {spec!r} has no roles: write {spec}:ROLE[+ROLE...] with roles from "
+            f"{', '.join(ROLES)} (or {spec}:{ALL}); a key may send only its roles' messages"
+        )
+    try:
+        return name, parse_roles(roles)
+    except ValueError as e:
+        raise KeysError(f"node {name!r}: {e}") from None
+
+
+def keygen(out: str | Path, identities: Mapping[str, frozenset[str]]) -> Path:
+    """Write a cluster's keys into ``out`` (one directory holding every identity, each with
+    its roles); returns it.
 
     ``out`` is made 0700 and every secret file 0600. Existing keys are never overwritten."""
-    if not names or len(set(names)) != len(names):
-        raise KeysError(f"keygen needs distinct identity names, got {names}")
+    names = list(identities)
+    if not names:
+        raise KeysError("keygen needs at least one identity")
+    for name, roles in identities.items():
+        if not roles:
+            raise KeysError(f"identity {name!r} has no roles")
+        if not roles <= set(ROLES):
+            raise KeysError(f"identity {name!r}: unknown roles {sorted(roles - set(ROLES))}")
     for name in names:
         if name == SERVER or not name.replace("-", "").replace("_", "").isalnum():
             raise KeysError(f"bad identity name {name!r}: letters, digits, '-' and '_' only")
@@ -62,7 +93,7 @@ def keygen(out: str | Path, names: list[str]) -> Path:
         os.chmod(root, 0o700)
         (root / AUTHORIZED).mkdir(mode=0o700)
         for name in [SERVER, *names]:
-            public, secret = create_certificates(root, name)
+            public, secret = write_identity(root, name, identities.get(name))
             os.chmod(secret, 0o600)
             if name == SERVER:
                 os.remove(public)  # the public half is inside server.key_secret too

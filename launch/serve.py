@@ -7,6 +7,8 @@
 Cores are split between the workers (``--threads`` each) and, with ``--pin``, each worker is
 pinned to its own cores. A role that dies is restarted (it re-registers by itself). Ctrl-C or
 SIGTERM drains: the gateway finishes its streams, then the workers and the coordinator stop.
+With ``--autoscale`` the workers follow the planner's plan (``launch/autoscale.py``): started,
+retired by drain (not restarted), turned between prefill and decode.
 """
 
 from __future__ import annotations
@@ -24,25 +26,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.coordinator.main import add_routing_args, routing_flags
+from pdserve.coordinator.planner_args import add_planner_args, planner_flags
 from pdserve.kvtransfer import backends as transfer_backends
-from pdserve.launch.children import Child, restart, wait_for_file
-from pdserve.launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
-
-FORWARDED_ENGINE_FLAGS = (
-    "dtype",
-    "device",
-    "attention_backend",
-    "cpu_linear",
-    "max_model_len",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_step_time",
-    "seed",
+from pdserve.launch.autoscale import (
+    Autoscaler,
+    Proc,
+    add_autoscale_args,
+    check_autoscale_args,
+    slot_name,
 )
+from pdserve.launch.children import Child, restart, wait_for_file
+from pdserve.launch.plan_source import metrics_source, planner_source
+from pdserve.launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
+from pdserve.launch.serve_keys import identities, launch_keys, role_of, worker_id, worker_keys
+from pdserve.launch.worker_commands import pdserve_command, worker_command, worker_commands
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +47,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
     add_engine_args(parser)
     g = parser.add_argument_group("cluster")
-    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers (--autoscale: first)")
+    g.add_argument("--decode", type=int, default=1, help="decode workers (--autoscale: first)")
+    add_autoscale_args(g)
     g.add_argument(
         "--mode",
         choices=["disagg", "colocated"],
@@ -97,6 +95,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "compute (--transfer-backend nixl only)",
     )
     add_routing_args(g)
+    add_planner_args(g)
     g.add_argument(
         "--max-migrations",
         type=int,
@@ -116,61 +115,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def pdserve_command() -> list[str]:
-    """The console script beside this Python, so ``ps`` shows ``pdserve <role> ...``."""
-    script = Path(sys.executable).parent / "pdserve"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "pdserve.launch.cli"]
-
-
-def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> list[list[str]]:
-    """One ``pdserve prefill|decode ...`` command line per worker."""
-    num_workers = args.prefill + args.decode
-    cores = os.cpu_count() or 1
-    threads = args.threads or max(1, cores // num_workers)
-    common = [
-        f"--drain-timeout={args.drain_timeout}",
-        f"--model={model}",
-        f"--coordinator={coordinator}",
-        f"--threads={threads}",
-        f"--transfer-backend={args.transfer_backend}",
-        f"--transfer-timeout={args.transfer_timeout}",
-    ]
-    if served_name(args):
-        common.append(f"--served-model-name={served_name(args)}")
-    for flag in FORWARDED_ENGINE_FLAGS:
-        value = getattr(args, flag)
-        if value is not None:
-            common.append(f"--{flag.replace('_', '-')}={value}")
-    for switch in ("no_prefix_caching", "enforce_eager", "compile"):  # flags without a value
-        if getattr(args, switch):
-            common.append(f"--{switch.replace('_', '-')}")
-    pdserve = pdserve_command()
-    if args.mode == "colocated":
-        roles = [["decode", "--colocated"]] * num_workers
-    else:
-        roles = [["prefill"]] * args.prefill + [["decode"]] * args.decode
-    commands = []
-    for i, role in enumerate(roles):
-        cmd = [*pdserve, *role, *common, f"--worker-id={role[0]}-{i}"]
-        if role[0] == "prefill" and args.kv_fault:
-            cmd.append(f"--kv-fault={args.kv_fault}")
-        if role[0] == "prefill" and args.kv_stream_chunks:
-            cmd.append("--kv-stream-chunks")
-        if role[0] == "decode":
-            cmd.append(f"--kv-failure-policy={args.kv_failure_policy}")
-        if args.pin:
-            first = (i * threads) % cores
-            cpus = ",".join(str((first + k) % cores) for k in range(threads))
-            cmd = ["taskset", "-c", cpus, *cmd] if shutil.which("taskset") else cmd
-        commands.append(cmd)
-    return commands
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.models.store import resolve_model
     from pdserve.worker.args import check_stream_chunks
 
     check_stream_chunks(args, "serve")
+    problem = check_autoscale_args(args, os.cpu_count() or 1)
+    if problem is not None:
+        print(f"pdserve serve: {problem}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the gateway runs: nothing to reload
 
     try:  # pulled here, once, so the workers start from the cache
@@ -185,8 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
-    roles = ["coordinator", "gateway", *(_worker_id(c) for c in worker_commands(args, "", ""))]
-    keys = _keys(run_dir, roles, args.insecure)
+    keys = launch_keys(run_dir, identities(args), args.insecure)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
@@ -194,7 +146,8 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: cluster.reload_tenants())
     try:
         cluster.start(model, api_flags)
-        _supervise(cluster, args, model, stopping)
+        scaler = cluster.autoscaler(served_name(args) or Path(model).name)
+        _supervise(cluster, args, model, stopping, scaler)
         return 0
     except RuntimeError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
@@ -218,14 +171,17 @@ class Cluster:
         self.pdserve = pdserve_command()
         bind = "tcp://127.0.0.1:0"
         self.coordinator = Child("coordinator", self._coordinator(bind, address_file))
-        self.workers: list[Child] = []
+        self.workers: list[Child] = []  # supervised: restarted when they exit
+        self.retiring: list[Child] = []  # draining (--autoscale): left to exit
         self.gateway: Child | None = None
+        self.address = self.model = ""
 
     def _coordinator(self, bind: str, address_file: Path | None = None) -> list[str]:
         cmd = [*self.pdserve, "coordinator", f"--bind={bind}"]
         if address_file is not None:
             cmd.append(f"--address-file={address_file}")
-        return [*cmd, *routing_flags(self.args), *self.keys("coordinator")]
+        flags = [*routing_flags(self.args), *planner_flags(self.args)]
+        return [*cmd, *flags, *self.keys("coordinator")]
 
     def _gateway(self, address: str, api_flags: list[str]) -> list[str]:
         args = self.args
@@ -245,13 +201,51 @@ class Cluster:
         self.coordinator.start()
         address = wait_for_file(self.address_file, self.coordinator, 30.0)
         self.coordinator.cmd = self._coordinator(address)  # a restart rebinds the same address
+        self.address, self.model = address, model
         self.workers = [
-            Child(_role(cmd), [*cmd, *self.keys(_worker_id(cmd))])
-            for cmd in worker_commands(self.args, address, model)
+            Child(role_of(cmd), [*cmd, *self.keys(key)])
+            for cmd, key in zip(  # --autoscale: the first slots' keys
+                worker_commands(self.args, address, model), worker_keys(self.args), strict=False
+            )
         ]
         self.gateway = Child("gateway", self._gateway(address, api_flags))
         for child in self.children()[1:]:
             child.start()
+
+    def autoscaler(self, model_name: str) -> Autoscaler | None:
+        """With ``--autoscale``: the actuator of the planner's plan for ``model_name``, holding
+        the workers started so far in its first slots."""
+        args = self.args
+        if not args.autoscale:
+            return None
+        url = f"http://{args.host}:{args.port}"
+        scaler = Autoscaler(
+            self,
+            planner_source(url, model_name),
+            metrics_source(url),
+            max_workers=args.max_workers,
+            drain_timeout_s=args.drain_timeout + 10,  # the worker's own drain, then its exit
+            period_s=args.autoscale_interval,
+        )
+        for child in self.workers:
+            scaler.adopt(child.role, worker_id(child.cmd), child)
+        return scaler
+
+    def start_worker(self, role: str, slot: int, worker_id: str) -> Child:
+        """``--autoscale``: a new worker with slot ``slot``'s identity, supervised."""
+        cmd = worker_command(self.args, self.address, self.model, role, slot, worker_id)
+        child = Child(role, [*cmd, *self.keys(slot_name(slot))])
+        child.start()
+        self.workers.append(child)
+        return child
+
+    def retire(self, proc: Proc) -> None:
+        """``--autoscale``: worker ``proc`` is no longer restarted when it exits; SIGTERM: it
+        drains."""
+        child = next(c for c in self.workers if c is proc)
+        self.workers.remove(child)
+        self.retiring = [c for c in self.retiring if c.alive()] + [child]
+        child.terminate()
 
     def reload_tenants(self) -> None:
         """SIGHUP: the gateway reads its tenants file again."""
@@ -264,19 +258,23 @@ class Cluster:
     def stop(self, drain_timeout: float) -> None:
         if self.gateway is not None:
             self.gateway.stop(drain_timeout + 10)
-        for child in self.workers:
-            if child.alive():
-                child.proc.send_signal(signal.SIGTERM)
-        for child in self.workers:
+        workers = [*self.workers, *self.retiring]
+        for child in workers:
+            child.terminate()
+        for child in workers:
             child.stop(drain_timeout + 10)
         self.coordinator.stop(10)
 
 
 def _supervise(
-    cluster: Cluster, args: argparse.Namespace, model: str, stopping: threading.Event
+    cluster: Cluster,
+    args: argparse.Namespace,
+    model: str,
+    stopping: threading.Event,
+    scaler: Autoscaler | None = None,
 ) -> None:
     """Restart every role that dies until ``stopping``; say once when the gateway is healthy
-    (or raise if it is not within ``--ready-timeout``)."""
+    (or raise if it is not within ``--ready-timeout``); from then on, ``scaler`` acts."""
     url = f"http://{args.host}:{args.port}"
     ready_by = time.monotonic() + args.ready_timeout
     ready = False
@@ -284,6 +282,8 @@ def _supervise(
         for child in cluster.children():
             if not child.alive():
                 restart(child, args.max_restarts)
+        if ready and scaler is not None:
+            scaler.tick(time.monotonic())
         if not ready:
             ready = _healthy(url)
             if ready:
@@ -292,30 +292,9 @@ def _supervise(
                 raise RuntimeError(f"not healthy within {args.ready_timeout:.0f}s")
 
 
-def _keys(run_dir: Path, names: list[str], insecure: bool) -> Callable[[str], list[str]]:
-    """This launch's CURVE keys (one identity per process, in the private run directory): the
-    flags that give process ``name`` its own."""
-    if insecure:
-        print("pdserve serve: --insecure: internal sockets are open to anyone", file=sys.stderr)
-        return lambda name: ["--insecure"]
-    from pdserve.launch.keygen import keygen
-
-    keys = keygen(run_dir / "keys", names)
-    return lambda name: [f"--keys={keys}", f"--key-name={name}"]
-
-
-def _worker_id(cmd: list[str]) -> str:
-    return next(a.split("=", 1)[1] for a in cmd if a.startswith("--worker-id="))
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
             return r.status == 200
     except OSError:
         return False
-
-
-def _role(cmd: list[str]) -> str:
-    roles = ("coordinator", "prefill", "decode", "gateway")
-    return next((a for a in cmd if a in roles), "a child")

@@ -136,9 +136,9 @@ class PrefillWorker(Worker[PrefillRecord]):
         """The prompt runs once for the job's choices (more than one: under the prompt's own
         id, each choice drawing its token 0 from its last logits, engine/fork.py)."""
         record = PrefillRecord(job)
-        if self.draining:
-            self._fail(record.key, job.stream_address, 503, "worker is draining")
-            return
+        # Draining, a job still runs: the coordinator sent it before it heard of the drain
+        # (it sends none after), and refusing it would fail a stream another worker could
+        # have served; the drain waits for it like for any work in flight.
         try:
             firsts = [_token0_params(choice_params(job.sampling, k.choice)) for k in record.group]
             self.engine.requests.check_prompt(job.prompt_token_ids, job.sampling)

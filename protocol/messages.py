@@ -32,6 +32,7 @@ from enum import StrEnum
 from pdserve.protocol.checks import ProtocolError
 from pdserve.protocol.codec import PROTOCOL_VERSION, Message, decode, encode, message
 from pdserve.protocol.control import Role, WorkerCounters, WorkerLoad
+from pdserve.protocol.planning import LatencySamples, PlanReport
 from pdserve.protocol.sampling import SamplingParams, StructuredSpec
 from pdserve.protocol.tenancy import Share, Tier
 
@@ -45,7 +46,9 @@ __all__ = [  # its own types, and the codec and sampling names its users read th
     "GatewayHello",
     "Generate",
     "KVHeader",
+    "LatencySamples",
     "Message",
+    "PlanReport",
     "PrefillJob",
     "ProtocolError",
     "RequestError",
@@ -85,9 +88,11 @@ class TokenLogprob:
 @message("gateway_hello")
 @dataclass(frozen=True)
 class GatewayHello(Message):
-    """Gateway → coordinator, about once a second: where to send its ``ClusterState``."""
+    """Gateway → coordinator, about once a second: where to send its ``ClusterState``, and the
+    latencies of the requests that ended since (the planner's, ``protocol.planning``)."""
 
     stream_address: str
+    samples: list[LatencySamples] = field(default_factory=list)  # one per model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +123,7 @@ class ClusterState(Message):
     workers: list[WorkerStatus]
     coordinator_id: str = ""  # new at each coordinator start: a gateway sees a restart
     routing: dict[str, int] = field(default_factory=dict)  # decisions so far, by reason
+    plans: list[PlanReport] = field(default_factory=list)  # the planner's, one per model
 
 
 # ---- request lifecycle -----------------------------------------------------------------------

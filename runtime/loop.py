@@ -104,8 +104,9 @@ class RateLimitedLog:
     """One line per key every ``interval_s``: a peer repeating a refused message each second
     must not flood the log."""
 
-    def __init__(self, interval_s: float = 30.0) -> None:
+    def __init__(self, interval_s: float = 30.0, logger: logging.Logger = log) -> None:
         self.interval_s = interval_s
+        self.logger = logger
         self._last: dict[str, float] = {}
 
     def error(self, key: str, fmt: str, *args: object) -> None:
@@ -115,7 +116,7 @@ class RateLimitedLog:
         if len(self._last) > 4096:
             self._last.clear()
         self._last[key] = now
-        log.error(fmt, *args)
+        self.logger.error(fmt, *args)
 
 
 def stop_on_signals() -> threading.Event:
@@ -150,6 +151,7 @@ def serve(
     drain_timeout_s: float = 30.0,
     liveness: Liveness | None = None,
     with_sender: bool = False,
+    admit: Callable[[Message, str], bool] | None = None,
 ) -> None:
     """Until ``stop``: take every waiting message, run one step, and call ``periodic`` about
     every ``period_s``. Waits for input only when the last step had nothing to do.
@@ -158,9 +160,12 @@ def serve(
     flight is done (or ``drain_timeout_s`` passes). With ``liveness``, its thread runs while
     this does (started here, stopped and joined on the way out) and hears each time the loop
     comes round; ``periodic`` is then where the loop hands it a status. With ``with_sender``,
-    ``handle(msg, sender)`` also gets the sender's CURVE identity (``recv_from``)."""
+    ``handle(msg, sender)`` also gets the sender's CURVE identity (``recv_from``). With
+    ``admit`` (a ``runtime.gate.RoleGate``'s), a message it refuses never reaches ``handle``."""
 
     def h(msg: Message, sender: str) -> None:
+        if admit is not None and not admit(msg, sender):
+            return
         if with_sender:
             handle(msg, sender)
         else:

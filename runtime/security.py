@@ -10,12 +10,14 @@ socket nor pose as one (it lacks the server's secret key)::
     keys/
       server.key_secret        the cluster's server keypair (0600)
       <name>.key_secret        this process's (or node's) identity keypair (0600)
-      authorized/<name>.key    public keys of every identity the cluster admits
+      authorized/<name>.key    public keys of every identity the cluster admits, each with
+                               the roles it holds (``runtime.keyfiles``, ``protocol.roles``)
 
 ``make_socket`` (``runtime.sockets``) secures every socket made from a ``SecureContext`` (or
 ``SecureAsyncContext``): bound ones as CURVE servers, connected ones as CURVE clients. The
 sender's identity (its public key, z85) arrives on every message as the ``User-Id`` property,
-which the coordinator binds worker ids to.
+which the coordinator binds worker ids to and every receiver checks the sender's roles by
+(``roles_of``, ``runtime.gate``).
 """
 
 from __future__ import annotations
@@ -24,26 +26,23 @@ import argparse
 import logging
 import os
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from zmq.auth import load_certificate
 from zmq.auth.thread import ThreadAuthenticator
 
 from pdserve import envs
+from pdserve.protocol.roles import format_roles
+from pdserve.runtime.keyfiles import KeysError, load_authorized, load_secret
 
 log = logging.getLogger(__name__)
 
 SERVER = "server"
 AUTHORIZED = "authorized"
 ZAP_DOMAIN = "pdserve"
-
-
-class KeysError(ValueError):
-    """Keys that are missing, unreadable or not private enough."""
 
 
 class _DeniedLog:
@@ -65,7 +64,7 @@ class _DeniedLog:
 @dataclass(frozen=True)
 class Security:
     """One process's CURVE material: the cluster's server keypair, its own identity keypair
-    and the public keys it admits (z85 bytes)."""
+    and the public keys it admits (z85 bytes), with the roles of each."""
 
     name: str
     server_public: bytes
@@ -73,6 +72,7 @@ class Security:
     public: bytes
     secret: bytes
     authorized: frozenset[bytes]
+    roles: Mapping[bytes, frozenset[str]] = field(default_factory=dict, compare=False, repr=False)
     _denied: _DeniedLog = field(default_factory=_DeniedLog, init=False, repr=False, compare=False)
 
     @classmethod
@@ -89,14 +89,20 @@ class Security:
                     f"{root} holds identities {names or 'none'}: choose one with --key-name"
                 )
             name = names[0]
-        server_public, server_secret = _load_secret(root / f"{SERVER}.key_secret")
-        public, secret = _load_secret(root / f"{name}.key_secret")
-        authorized = frozenset(
-            load_certificate(p)[0] for p in sorted((root / AUTHORIZED).glob("*.key"))
-        )
-        if public not in authorized:
+        server_public, server_secret = load_secret(root / f"{SERVER}.key_secret")
+        public, secret = load_secret(root / f"{name}.key_secret")
+        roles = load_authorized(root / AUTHORIZED)
+        if public not in roles:
             raise KeysError(f"identity {name!r} is not in {root / AUTHORIZED}")
-        return cls(name, server_public, server_secret, public, secret, authorized)
+        return cls(name, server_public, server_secret, public, secret, frozenset(roles), roles)
+
+    def roles_of(self, sender: str) -> frozenset[str]:
+        """The roles of the identity whose ``User-Id`` is ``sender`` (none: unknown)."""
+        return self.roles.get(sender.encode(), frozenset())
+
+    @property
+    def own_roles(self) -> frozenset[str]:
+        return self.roles.get(self.public, frozenset())
 
     @property
     def user_id(self) -> str:
@@ -234,9 +240,14 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def export(args: argparse.Namespace, env: MutableMapping[str, str] = os.environ) -> None:
-    """Check a role's security flags (``KeysError`` if unusable) and put them in ``env``, where
-    every socket-making part of the process (and ``from_env``) reads them."""
+def export(
+    args: argparse.Namespace,
+    env: MutableMapping[str, str] = os.environ,
+    needs: frozenset[str] = frozenset(),
+) -> None:
+    """Check a role's security flags (``KeysError`` if unusable, or if the identity lacks a
+    role in ``needs``: what the process sends as) and put them in ``env``, where every
+    socket-making part of the process (and ``from_env``) reads them."""
     if args.insecure and args.keys:
         raise KeysError("--insecure and --keys exclude each other")
     if not args.insecure and not args.keys:
@@ -250,6 +261,13 @@ def export(args: argparse.Namespace, env: MutableMapping[str, str] = os.environ)
         env[envs.INSECURE] = "1"
         return
     security = Security.load(args.keys, args.key_name)  # fail now, with the reason
+    if not needs <= security.own_roles:
+        raise KeysError(
+            f"identity {security.name!r} holds the roles {format_roles(security.own_roles)}, "
+            f"not {format_roles(needs - security.own_roles)}: every receiver would refuse what "
+            f"this process sends (give it a key made with pdserve keygen --nodes "
+            f"NAME:{format_roles(needs)})"
+        )
     env[envs.KEYS] = str(Path(args.keys).resolve())
     env[envs.KEY_NAME] = security.name
 
@@ -266,18 +284,3 @@ def from_env() -> Security | None:
             )
         return None
     return Security.load(keys_dir, envs.key_name())
-
-
-# ---- key files ------------------------------------------------------------------------------
-
-
-def _load_secret(path: Path) -> tuple[bytes, bytes]:
-    if not path.is_file():
-        raise KeysError(f"missing key file {path}")
-    mode = path.stat().st_mode & 0o777
-    if mode & 0o077:
-        raise KeysError(f"{path} is readable by others (mode {mode:o}): chmod 600 it")
-    public, secret = load_certificate(path)
-    if secret is None:
-        raise KeysError(f"{path} holds no secret key")
-    return public, secret

@@ -119,15 +119,20 @@ def recv_from(sock: zmq.SyncSocket, timeout_ms: int | None = None) -> tuple[str,
         return None
     frames = sock.recv_multipart(copy=False)
     try:
-        got = frames[0].get("User-Id")  # a string property: always a str
-    except zmq.ZMQError:  # no ZAP handler set one
-        got = ""
-    user = got if isinstance(got, str) else ""
-    try:
-        return user, decode([f.buffer for f in frames])
+        return sender_of(frames[0]), decode([f.buffer for f in frames])
     except ProtocolError as exc:
         log.warning("dropped a bad message on %s: %s", _endpoint(sock), exc)
         return None
+
+
+def sender_of(frame: zmq.Frame) -> str:
+    """The ``User-Id`` a received frame came with: its sender's z85 public key on a CURVE
+    socket, "" on a plain one."""
+    try:
+        got = frame.get("User-Id")  # a string property: always a str
+    except zmq.ZMQError:  # no ZAP handler set one
+        return ""
+    return got if isinstance(got, str) else ""
 
 
 def recv_routed(

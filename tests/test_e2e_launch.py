@@ -37,7 +37,7 @@ def test_role_scripts_serve_two_models(tiny_dir, model_dirs, procs, tmp_path) ->
     port = free_port()
     # the cluster's keys, as for several nodes: every role here runs as node "a"
     keygen = [sys.executable, "-m", "pdserve.launch.cli", "keygen", f"--out={tmp_path / 'keys'}"]
-    subprocess.run([*keygen, "--nodes", "a", "b"], check=True)
+    subprocess.run([*keygen, "--nodes", "a:all", "b:decode"], check=True)
     env = {
         **os.environ,
         "PDSERVE_COORDINATOR_BIND": coordinator,

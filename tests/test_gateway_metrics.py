@@ -90,6 +90,9 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_worker_kv_bytes_sent_total": "counter",
         "pdserve_worker_kv_transfer_seconds": "histogram",
         "pdserve_routing_decisions_total": "counter",
+        "pdserve_planner_desired_workers": "gauge",
+        "pdserve_planner_max_local_prefill_tokens": "gauge",
+        "pdserve_planner_input": "gauge",
     }
     assert families["pdserve_routing_decisions_total"][1] == {
         ("pdserve_routing_decisions_total", (("reason", "disaggregated"),)): 3,

@@ -122,3 +122,19 @@ def test_refused_job_keeps_no_record(tiny_dir) -> None:
     [error] = outbox.errors()
     assert (error.status, error.message) == (400, "the prompt is empty")
     assert_freed(w, sender)
+
+
+def test_a_draining_worker_still_runs_a_job_sent_before_the_coordinator_heard(tiny_dir) -> None:
+    """The coordinator sends no job to a worker it knows drains; one already on its way is
+    run (and counted in flight, so the drain waits for it), not refused: another worker could
+    have served it, and a refusal would fail its stream (``pdserve serve --autoscale``)."""
+    w, sender, outbox = worker(tiny_dir)
+    w.begin_drain()
+    w.handle(job())
+    assert w.keys_in(PrefillState.COMPUTING) == [KEY] and w.in_flight()
+    w.step()
+    sender.finish("r#0", KVPoll.DONE)
+    assert outbox.sent(m.RequestError) == []
+    [done] = outbox.sent(m.TransferDone)
+    assert done.error is None
+    assert_freed(w, sender)

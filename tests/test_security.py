@@ -36,7 +36,10 @@ LAYOUT = KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, 
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
-    return keygen(tmp_path / "keys", ["coord", "w1", "w2"])
+    # w1 is a gateway too: its hellos ask for the cluster's state after its own messages
+    decode, gateway = frozenset({"decode"}), frozenset({"gateway"})
+    identities = {"coord": frozenset({"coordinator"}), "w1": decode | gateway, "w2": decode}
+    return keygen(tmp_path / "keys", identities)
 
 
 def register(worker_id: str, num_blocks: int = 64, address: str = "tcp://127.0.0.1:1") -> Register:
@@ -129,7 +132,7 @@ def test_only_authorized_keys_get_through_and_each_message_names_its_sender(
 ) -> None:
     w1 = Security.load(keys, "w1")
     # a key of its own, and the server's public key (public: anyone may know it)
-    other = Security.load(keygen(tmp_path / "other", ["x"]), "x")
+    other = Security.load(keygen(tmp_path / "other", {"x": frozenset({"decode"})}), "x")
     other = dataclasses.replace(other, server_public=w1.server_public)
     server, plain = SecureContext(Security.load(keys, "coord")), zmq.Context()
     clients = [SecureContext(w1), SecureContext(other)]

@@ -200,7 +200,7 @@ def test_a_failed_start_leaves_no_thread_behind(
     env: pytest.MonkeyPatch, tiny_dir: Path, tmp_path: Path, taken: str
 ) -> None:
     """With keys, the context runs a ZAP thread: a start that fails after making it stops it."""
-    env.setenv(envs.KEYS, str(keygen(tmp_path / "keys", ["w1"])))
+    env.setenv(envs.KEYS, str(keygen(tmp_path / "keys", {"w1": frozenset({"prefill"})})))
     env.setenv(envs.KEY_NAME, "w1")
     before = set(threading.enumerate())
     args = parse(add_prefill_args, *engine_flags(tiny_dir), f"--control-bind={taken}")
@@ -213,7 +213,7 @@ def test_a_failed_start_leaves_no_thread_behind(
 def test_the_role_commands_refuse_bad_keys(
     env: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    keys = keygen(tmp_path / "keys", ["w1"])
+    keys = keygen(tmp_path / "keys", {"w1": frozenset({"decode"})})
     secret = keys / "w1.key_secret"
     os.chmod(secret, 0o644)
     common = ["--model=/nonexistent/never-read", "--coordinator=tcp://127.0.0.1:1"]
@@ -390,6 +390,8 @@ def test_the_coordinator_writes_its_bound_address(env: pytest.MonkeyPatch, tmp_p
     assert coordinator_main.run_coordinator(args) == 0
     assert re.fullmatch(r"tcp://127\.0\.0\.1:[1-9][0-9]*", served[0])
     assert address_file.read_text() == served[0]
+    kw_planner = made[0][1]["make_planner"]
+    assert kw_planner("tiny").profile is None  # no profile shipped for a random model
     assert not Path(f"{address_file}.tmp").exists()
     assert made == [
         (
@@ -402,6 +404,10 @@ def test_the_coordinator_writes_its_bound_address(env: pytest.MonkeyPatch, tmp_p
                 max_prefill_queue_tokens=0,
                 routing="load",
                 hot_spot_tokens=2048,
+                make_planner=kw_planner,
+                planner_interval_s=5.0,
+                planner_window_s=30.0,
+                auto_local=False,  # a figure given: the planner's threshold is not used
             ),
         )
     ]

@@ -23,13 +23,16 @@ from pdserve.kvtransfer.base import KVReceiver, KVSender
 from pdserve.models.pull import PullError
 from pdserve.protocol.codec import Message
 from pdserve.protocol.control import Register, Role
+from pdserve.protocol.roles import Receiver
 from pdserve.protocol.transfer import KVPeers
 from pdserve.runtime import security
+from pdserve.runtime.gate import RoleGate
 from pdserve.runtime.liveness import Liveness
 from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
 from pdserve.runtime.sockets import bound_address, make_socket
 from pdserve.worker.args import HEARTBEAT_PERIOD_S, check_worker_args
 from pdserve.worker.base import Record, Worker
+from pdserve.worker.health import WorkerHealth
 from pdserve.worker.wire import heartbeat, kv_layout
 
 log = logging.getLogger(__name__)
@@ -60,11 +63,14 @@ Build = Callable[[argparse.Namespace, WorkerContext], RoleParts]
 
 
 def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
-    """Start the engine, build the role's parts, register and step until signalled."""
+    """Start the engine, build the role's parts, register and step until signalled
+    (``--health-port``: probes answer from before the engine loads, ``worker/health.py``)."""
     check_worker_args(args, role)
+    health = WorkerHealth.start(args)
     engine = _start_engine(args, role)
     worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
-    ctx = security.context(security.from_env())
+    keys = security.from_env()
+    ctx = security.context(keys)
     control, outbox, parts = _open(args, role, build, ctx, engine, worker_id)
     worker = parts.worker
     register = _register(args, parts.wire_role or role, engine, worker_id, control, parts)
@@ -82,6 +88,7 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         queued, draining = worker.queued_prompt_tokens, worker.draining
         liveness.publish(heartbeat(engine, worker_id, queued, draining, worker.transfers))
 
+    health.serving(worker, liveness, ctx, args.coordinator)
     log.info(
         "%s worker %s serving %s: control %s",
         register.role,
@@ -100,12 +107,14 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
             drain=worker,
             drain_timeout_s=args.drain_timeout,
             liveness=liveness,
+            admit=RoleGate(keys, Receiver.WORKER).admit,  # the coordinator's key only
         )
     finally:
         if parts.transport is not None:
             parts.transport.close()
         outbox.close()
         control.close()
+        health.close()  # its connection to the coordinator first: term waits for sockets
         ctx.term()
     return 0
 

@@ -305,7 +305,7 @@ def main() -> None:
     torch.set_num_threads(1)
     src = [torch.randn((SRC_BLOCKS, *BLOCK)) for _ in range(LAYERS)]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        keys = str(keygen(f"{tmp}/keys", ["p", "d"]))
+        keys = str(keygen(f"{tmp}/keys", {"p": frozenset({"prefill"}), "d": frozenset({"decode"})}))
         links = []
         for transport in args.transports:  # every receiver starts before the first waits
             links.append(start(transport, keys, args.checksum))

@@ -1,0 +1,87 @@
+"""The command line of each worker ``pdserve serve`` starts: ``pdserve prefill|decode ...`` with
+the engine flags serve was given, its share of the cores (``--threads``) and, with ``--pin``,
+its own cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from pdserve.launch.serve_api import served_name
+
+FORWARDED_ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "attention_backend",
+    "cpu_linear",
+    "max_model_len",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_step_time",
+    "seed",
+)
+
+
+def pdserve_command() -> list[str]:
+    """The console script beside this Python, so ``ps`` shows ``pdserve <role> ...``."""
+    script = Path(sys.executable).parent / "pdserve"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pdserve.launch.cli"]
+
+
+def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> list[list[str]]:
+    """One ``pdserve prefill|decode ...`` command line per worker (the first ones with
+    ``--autoscale``), worker ``i`` being ``<role>-<i>``."""
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    if args.mode == "colocated":
+        roles = ["decode"] * len(roles)
+    return [
+        worker_command(args, coordinator, model, role, i, f"{role}-{i}")
+        for i, role in enumerate(roles)
+    ]
+
+
+def worker_command(
+    args: argparse.Namespace, coordinator: str, model: str, role: str, slot: int, worker_id: str
+) -> list[str]:
+    """Worker ``slot``'s command line as ``role`` (``--pin``: the slot's cores). Threads: the
+    cores split between the workers, or between ``--max-workers`` with ``--autoscale``."""
+    cores = os.cpu_count() or 1
+    threads = args.threads or max(1, cores // (args.max_workers or args.prefill + args.decode))
+    common = [
+        f"--drain-timeout={args.drain_timeout}",
+        f"--model={model}",
+        f"--coordinator={coordinator}",
+        f"--threads={threads}",
+        f"--transfer-backend={args.transfer_backend}",
+        f"--transfer-timeout={args.transfer_timeout}",
+    ]
+    if served_name(args):
+        common.append(f"--served-model-name={served_name(args)}")
+    for flag in FORWARDED_ENGINE_FLAGS:
+        value = getattr(args, flag)
+        if value is not None:
+            common.append(f"--{flag.replace('_', '-')}={value}")
+    for switch in ("no_prefix_caching", "enforce_eager", "compile"):  # flags without a value
+        if getattr(args, switch):
+            common.append(f"--{switch.replace('_', '-')}")
+    colocated = ["--colocated"] if args.mode == "colocated" else []
+    cmd = [*pdserve_command(), role, *colocated, *common, f"--worker-id={worker_id}"]
+    if role == "prefill" and args.kv_fault:
+        cmd.append(f"--kv-fault={args.kv_fault}")
+    if role == "prefill" and args.kv_stream_chunks:
+        cmd.append("--kv-stream-chunks")
+    if role == "decode":
+        cmd.append(f"--kv-failure-policy={args.kv_failure_policy}")
+    if args.pin:
+        first = (slot * threads) % cores
+        cpus = ",".join(str((first + k) % cores) for k in range(threads))
+        cmd = ["taskset", "-c", cpus, *cmd] if shutil.which("taskset") else cmd
+    return cmd
