@@ -78,7 +78,6 @@ class Planning:
         self.plans: dict[str, Plan] = {}
         self._pools: dict[str, _Pool] = {}
         self._next_at = -math.inf
-        self._now = 0.0
         self._refusals = RateLimitedLog()
 
     # ---- what it hears -----------------------------------------------------------------------
@@ -86,15 +85,13 @@ class Planning:
         """A request came in (not a migrating choice: that one arrived before)."""
         if req.resume_choice is not None:
             return
-        self._now = now
-        pool = self._pool(req.model)
+        pool = self._pool(req.model, now)
         if pool is not None:
             pool.arrivals.append((now, req.n, len(req.prompt_token_ids)))
             pool.max_tokens.append((now, req.sampling.max_tokens))
 
     def heard(self, hello: m.GatewayHello, now: float) -> None:
         """A gateway's samples; a list that cannot be true is dropped whole, and logged."""
-        self._now = now
         for s in hello.samples:
             problem = samples_problem(s)
             if problem is not None:
@@ -105,20 +102,20 @@ class Planning:
                     problem,
                 )
                 continue
-            pool = self._pool(s.model)
+            pool = self._pool(s.model, now)
             if pool is None:
                 continue
             pool.ttft.extend((now, x) for x in s.ttft_s)
             pool.tpot.extend((now, x) for x in s.tpot_s)
             pool.output.extend((now, n) for n in s.output_tokens)
 
-    def _pool(self, model: str) -> _Pool | None:
+    def _pool(self, model: str, now: float) -> _Pool | None:
         """The model's pool; None for a model no worker serves (a gateway's word alone does
         not make one: the pools stay as many as the models)."""
         if model not in self._pools:
             if model not in self.registry.models():
                 return None
-            self._pools[model] = _Pool(self._now)
+            self._pools[model] = _Pool(now)
         return self._pools[model]
 
     # ---- what it says ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pdserve.coordinator.coordinator import Coordinator
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import Heartbeat, WorkerLoad
 from pdserve.protocol.tenancy import Share, Tier
+from tests import test_coordinator_waits as waits
 from tests.test_coordinator_waits import Outbox, register, reserved
 
 SPEC = m.SamplingParams(max_tokens=4)
@@ -28,16 +29,7 @@ def cluster(decode_blocks: int = 4, **options: object) -> tuple[Coordinator, Out
 
 
 def generate(c: Coordinator, rid: str, s: Share | None, prompt_len: int = 40) -> None:
-    req = m.Generate(
-        request_id=rid,
-        model="tiny",
-        prompt_token_ids=list(range(prompt_len)),
-        sampling=SPEC,
-        n=1,
-        stream_address="gw",
-        share=s,
-    )
-    c.handle(req, 0.0)
+    waits.generate(c, rid, prompt_len, share=s)
 
 
 def test_queued_choices_are_placed_by_tier_then_fair_share_then_arrival() -> None:

@@ -11,6 +11,7 @@ from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.routes import RouteState
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import Heartbeat, KVLayout, Register, WorkerLoad
+from pdserve.protocol.tenancy import Share
 
 LAYOUT = KVLayout(block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8)
 SPEC = m.SamplingParams(max_tokens=4)
@@ -64,7 +65,9 @@ def register(c: Coordinator, role: str, wid: str, blocks: int) -> None:
     )
 
 
-def generate(c: Coordinator, rid: str, prompt_len: int = 20, now: float = 0.0) -> None:
+def generate(
+    c: Coordinator, rid: str, prompt_len: int = 20, now: float = 0.0, share: Share | None = None
+) -> None:
     c.handle(
         m.Generate(
             request_id=rid,
@@ -73,6 +76,7 @@ def generate(c: Coordinator, rid: str, prompt_len: int = 20, now: float = 0.0) -
             sampling=SPEC,
             n=1,
             stream_address="gw",
+            share=share,
         ),
         now,
     )
