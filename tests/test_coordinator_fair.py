@@ -12,8 +12,6 @@ from pdserve.protocol.tenancy import Share, Tier
 from tests import test_coordinator_waits as waits
 from tests.test_coordinator_waits import Outbox, register, reserved
 
-SPEC = m.SamplingParams(max_tokens=4)
-
 
 def share(tenant: str, tier: Tier = Tier.STANDARD, priority: int = 0) -> Share:
     return Share(tenant=tenant, tier=tier, weight=1, priority=priority)
