@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "onednn", "torch"],
         help="CPU linear layers: oneDNN with packed weights (auto, where it runs) or torch's",
+    )
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATIONS),
+        help="linear layers' weights: auto (the checkpoint's own: a pulled model's GGUF blocks "
+        "kept quantized, else float), none (float), int8 (a scale per output row) or int4 "
+        "(a scale and minimum per --quant-group-size weights), quantized at load",
+    )
+    g.add_argument(
+        "--quant-group-size",
+        type=int,
+        default=32,
+        help="int4: weights per scale and minimum (a multiple of 32 dividing the layers' widths)",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -72,6 +86,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         threads=args.threads,
         enforce_eager=args.enforce_eager,
         compile=args.compile,
+        quantization=args.quantization,
+        quant_group_size=args.quant_group_size,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -16,6 +16,8 @@ built at start-up (``warm_up``), minutes on a small CPU (see the log line and th
 Settings: ``freezing`` makes the weights constants, which inductor's oneDNN linear lowering
 requires (our packed weights, engine/cpu_linear.py); ``cpp_wrapper`` runs the graph from C++
 rather than a Python wrapper of ~600 calls. Needs a C++ compiler (inductor's CPU backend).
+Quantized layers (engine/quant/linear.py) stay calls of their C kernel, as the custom op
+``pdserve::qlinear``.
 """
 
 from __future__ import annotations

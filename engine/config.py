@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -212,6 +213,9 @@ class EngineConfig:
     threads: int | None = None
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
     compile: bool = False  # CPU: decode steps through torch.compile (engine/compile.py)
+    # auto | none | int8 | int4: the linear layers' weights (engine/loader.py, engine/quant/)
+    quantization: str = "auto"
+    quant_group_size: int = 32  # int4: weights per scale and minimum
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -224,6 +228,14 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.cpu_linear not in ("auto", "onednn", "torch"):
             raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.quant_group_size < 32 or self.quant_group_size % 32:
+            raise ConfigError(
+                f"quant_group_size must be a positive multiple of 32, got {self.quant_group_size}"
+            )
         if self.compile and not self.device.startswith("cpu"):
             raise ConfigError(
                 f"compile is for CPU decode steps (CUDA ones use CUDA graphs), "

@@ -1,4 +1,12 @@
-"""Load a local Hugging Face checkpoint directory into a ``CausalLM``."""
+"""Load a local model directory into a ``CausalLM``, in the weight form asked for.
+
+quantization  directory with model.gguf (pulled)          float-only directory
+auto          GGUF-kept: its Q8_0/Q4_0/Q4_1 blocks served   float
+              as QuantLinear layers (quant/gguf_model.py)
+none          float: model.safetensors, else the GGUF       float
+              dequantized
+int8 / int4   float, then quantized at load (engine/quant/apply.py)
+"""
 
 from __future__ import annotations
 
@@ -12,8 +20,12 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import CausalLM
 from pdserve.engine.rope import RotaryEmbedding
+from pdserve.models.gguf import GGUFFile
+from pdserve.models.gguf_convert import iter_hf_tensors
+from pdserve.models.store import GGUF_FILE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 class ModelLoadError(RuntimeError):
@@ -57,21 +69,69 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    quantization: str = "auto",
+    group_size: int = 32,
 ) -> CausalLM:
+    """``path``'s model with its weights in the form ``quantization`` names (module docstring);
+    ``group_size``: int4's weights per scale."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+        )
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
-    files = safetensors_files(path)
     positions = max_positions or cfg.max_position_embeddings
-    # parameters start on meta (no random init), then get real, uninitialised storage
-    with torch.device("meta"):
-        model = CausalLM(cfg, positions)
-    model = model.to_empty(device=device).to(dtype=torch_dtype)
-    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, positions).to(device)  # float32
+    gguf = path / GGUF_FILE
+    if quantization == "auto" and gguf.is_file():
+        from pdserve.engine.quant.gguf_model import load_gguf_kept
+
+        try:
+            kept = load_gguf_kept(gguf, cfg, positions, torch_dtype, device)
+        except ValueError as e:
+            raise ModelLoadError(f"{gguf}: {e}") from e
+        if kept is not None:  # None: every tensor in it is float
+            return kept.eval()
+    model = empty_model(cfg, positions, torch_dtype, device)
     try:
-        model.load_weights(iter_weights(files))
+        if gguf.is_file() and not _has_safetensors(path):
+            with GGUFFile(gguf, strings=False) as f:
+                model.load_weights(iter_hf_tensors(f, cfg.num_heads, cfg.num_kv_heads))
+        else:
+            model.load_weights(iter_weights(safetensors_files(path)))
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
+    if quantization in ("int8", "int4"):
+        from pdserve.engine.quant.apply import quantize_model
+
+        quantize_model(model, quantization, group_size)
     return model.eval()
+
+
+def empty_model(
+    cfg: ModelConfig, positions: int, dtype: torch.dtype, device: str | torch.device
+) -> CausalLM:
+    """A ``CausalLM`` with real, uninitialised storage (its parameters start on meta: no
+    random init), the rotary table in float32."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, positions)
+    return materialise(model, cfg, positions, dtype, device)
+
+
+def materialise(
+    model: CausalLM,
+    cfg: ModelConfig,
+    positions: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> CausalLM:
+    """``model``'s meta parameters given real, uninitialised storage in ``dtype``."""
+    model = model.to_empty(device=device).to(dtype=dtype)
+    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, positions).to(device)  # float32
+    return model
+
+
+def _has_safetensors(path: Path) -> bool:
+    return (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))

@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_norm import add_rms_norm
 from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -23,9 +24,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one call, the same float32 arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of ``x``; with ``residual``, of ``x += residual`` (x updated in place)."""
+        if x.dtype == torch.float32:  # one C call on CPU (engine/cpu_norm.py), else torch's
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x += residual
         # computed in float32, as transformers does, whatever the model dtype
         dtype = x.dtype
         x = x.float()
@@ -95,11 +99,14 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
+        pending: torch.Tensor | None,
     ) -> torch.Tensor:
-        # x is this step's own tensor (the embedding lookup's output): residuals add in place
-        x += self.self_attn(self.input_layernorm(x), rope, kv_cache, backend)
-        x += self.mlp(self.post_attention_layernorm(x))
-        return x
+        """The MLP's output, still to be added to ``x`` (the next norm adds it, fused).
+
+        x is this step's own tensor (the embedding lookup's output): residuals add in place;
+        ``pending`` is the previous layer's MLP output (None for the first layer)."""
+        attn = self.self_attn(self.input_layernorm(x, pending), rope, kv_cache, backend)
+        return self.mlp(self.post_attention_layernorm(x, attn))
 
 
 class CausalLM(nn.Module):
@@ -113,7 +120,9 @@ class CausalLM(nn.Module):
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head: nn.Module | None = None  # a packed copy of the tied embedding (CPU)
+        self.tied_head: nn.Module | None = None  # a packed or quantized copy of the tied embedding
+        # the linear layers' weight form: "none" (float), "int8", "int4-g32", "gguf Q4_1+Q8_0"
+        self.quantization = "none"
 
     @torch.inference_mode()
     def forward(
@@ -136,9 +145,10 @@ class CausalLM(nn.Module):
         ``no_grad`` (inference mode made its view of the KV cache fail; engine/compile.py)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, backend)
-        return self.norm(x)
+            pending = layer(x, rope, kv_cache, backend, pending)
+        return self.norm(x, pending)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] float32

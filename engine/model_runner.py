@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, make_backend
 from pdserve.engine.block_manager import KVCache
@@ -74,11 +75,33 @@ class StepBuffers:
         return d[:t], d[t : 2 * t], d[2 * t : 3 * t], d[3 * t : end]
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold as served: float parameters, oneDNN-packed copies and
+    quantized layers (codes, scales, mins, biases)."""
+    from pdserve.engine.cpu_linear import PackedLinear
+    from pdserve.engine.quant.linear import QuantLinear
+
+    total = sum(p.nbytes for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.weight_bytes
+        elif isinstance(module, PackedLinear) and isinstance(module.packed, torch.Tensor):
+            total += module.packed.nbytes
+    return total
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         self.config = config
         self.device = torch.device(config.device)
-        self.model = load_model(config.model, config.dtype, self.device, max_model_len)
+        self.model = load_model(
+            config.model,
+            config.dtype,
+            self.device,
+            max_model_len,
+            quantization=config.quantization,
+            group_size=config.quant_group_size,
+        )
         self.dtype = next(self.model.parameters()).dtype
         self.linear = self._pack_linears(config.cpu_linear)
         self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
@@ -95,11 +118,13 @@ class ModelRunner:
                 self.model, self.kv_cache.layers, self.backend, model_config, config, max_model_len
             )
         logger.info(
-            "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB), backend %s, "
-            "linear %s",
+            "model %s (%s, %s, weights %s: %.1f MiB) on %s; KV cache %d blocks x %d tokens "
+            "(%.1f MiB), backend %s, linear %s",
             config.model,
             model_config.architecture,
             self.dtype,
+            self.model.quantization,
+            weight_bytes(self.model) / 2**20,
             self.device,
             self.kv_cache.num_blocks,
             self.kv_cache.block_size,
@@ -120,10 +145,11 @@ class ModelRunner:
                 raise RuntimeError(f"--cpu-linear onednn: {reason}")
             logger.info("linear layers through torch: %s", reason)
             return "torch"
-        pack_linears(self.model)
-        if self.model.lm_head is None:
+        packed = pack_linears(self.model)  # the float ones: quantized layers stay as they are
+        if self.model.lm_head is None and self.model.tied_head is None:
             self.model.tied_head = packed_head(self.model.embed_tokens.weight)
-        return "onednn"
+            packed += self.model.tied_head is not None
+        return "onednn" if packed else "quantized"
 
     def _compile_decode(self) -> None:
         """Build the compiled decode graphs now, through ``execute``: one for batch 1, one for

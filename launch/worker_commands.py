@@ -18,6 +18,8 @@ FORWARDED_ENGINE_FLAGS = (
     "device",
     "attention_backend",
     "cpu_linear",
+    "quantization",
+    "quant_group_size",
     "max_model_len",
     "block_size",
     "num_kv_blocks",

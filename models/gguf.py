@@ -36,6 +36,8 @@ _SCALARS = {  # value type -> struct format
     11: "<q",
     12: "<d",
 }
+_SIZES = {fmt: struct.calcsize(fmt) for fmt in (*_SCALARS.values(), "<I", "<Q")}
+_U64 = struct.Struct("<Q")
 STRING, ARRAY = 8, 9
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 # tensor type -> (name, weights per block, bytes per block)
@@ -47,6 +49,10 @@ TENSOR_TYPES = {
     Q4_1: ("Q4_1", 32, 20),
     Q8_0: ("Q8_0", 32, 34),
 }
+_OTHER_TYPES = {  # named in errors only: the 5-bit types, the K-quants (256-weight blocks)
+    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
+    14: "Q6_K", 15: "Q8_K",
+}  # fmt: skip
 
 
 class GGUFError(ValueError):
@@ -65,9 +71,13 @@ class GGUFTensor:
 class GGUFFile:
     """The metadata and tensor table of one GGUF file; tensor data is memory-mapped."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, strings: bool = True) -> None:
+        """``strings=False``: string arrays (a tokenizer's vocabulary and merges, most of the
+        header) are stepped over, their fields None; for a reader that wants only tensors."""
         self.path = Path(path)
+        self._read_strings = strings
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._view: memoryview | None = self._data.data  # the header, parsed by struct
         self._pos = 0
         if self._take(4).tobytes() != MAGIC:
             raise GGUFError(f"{self.path} is not a GGUF file (bad magic)")
@@ -85,6 +95,7 @@ class GGUFFile:
         if alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"{self.path}: bad alignment {alignment}")
         start = -(-self._pos // alignment) * alignment
+        self._view = None  # the header is read; tensors are slices of the memory map
         self.tensors: dict[str, GGUFTensor] = {}
         for name, shape, ttype, offset in infos:
             _, per_block, block_bytes = TENSOR_TYPES[ttype]
@@ -99,11 +110,34 @@ class GGUFFile:
     def field(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def raw(self, name: str) -> np.ndarray:
+        """One tensor's bytes as they are in the file (uint8, memory-mapped, read-only)."""
+        t = self.tensors[name]
+        return self._data[t.offset : t.offset + t.nbytes]
+
     def dequantize(self, name: str) -> np.ndarray:
         """One tensor as float32, in PyTorch order."""
         t = self.tensors[name]
-        raw = self._data[t.offset : t.offset + t.nbytes]
-        return dequantize(raw, t.type).reshape(t.shape)
+        return dequantize(self.raw(name), t.type).reshape(t.shape)
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each type the file holds: {"F32": 61, "Q4_1": 210, ...}."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            name = TENSOR_TYPES[t.type][0]
+            counts[name] = counts.get(name, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
+    def tensor_bytes(self) -> int:
+        """The weights' bytes as stored (the data section less its padding)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         mm = getattr(self._data, "_mmap", None)
@@ -112,18 +146,18 @@ class GGUFFile:
             mm.close()
 
     # ---- parsing -------------------------------------------------------------------------
-    def _take(self, n: int) -> np.ndarray:
-        if n < 0 or self._pos + n > len(self._data):
+    def _take(self, n: int) -> memoryview:
+        if n < 0 or self._pos + n > len(self._data) or self._view is None:
             raise GGUFError(f"{self.path}: truncated (wanted {n} bytes at {self._pos})")
-        chunk = self._data[self._pos : self._pos + n]
+        chunk = self._view[self._pos : self._pos + n]
         self._pos += n
         return chunk
 
     def _scalar(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self._take(struct.calcsize(fmt)).tobytes())[0]
+        return struct.unpack(fmt, self._take(_SIZES[fmt]))[0]
 
     def _string(self) -> str:
-        return self._take(self._scalar("<Q")).tobytes().decode("utf-8", errors="replace")
+        return str(self._take(self._scalar("<Q")), "utf-8", errors="replace")
 
     def _check_count(self, count: int, min_bytes_each: int) -> None:
         if count * min_bytes_each > len(self._data) - self._pos:
@@ -139,10 +173,28 @@ class GGUFFile:
                 self._check_count(count, dtype.itemsize)
                 return np.frombuffer(self._take(count * dtype.itemsize), dtype).tolist()
             self._check_count(count, 8)
+            if etype == STRING:  # a tokenizer's vocabulary and merges: 100k strings
+                return self._strings(count)
             return [self._value(etype) for _ in range(count)]
         if vtype not in _SCALARS:
             raise GGUFError(f"{self.path}: unknown metadata value type {vtype}")
         return self._scalar(_SCALARS[vtype])
+
+    def _strings(self, count: int) -> list[str] | None:
+        """``_string()`` ``count`` times, in one loop over the header's bytes."""
+        view, pos, end, out = self._view, self._pos, len(self._data), []
+        read = self._read_strings
+        if view is None:
+            raise GGUFError(f"{self.path}: the header is already read")
+        for _ in range(count):
+            n = _U64.unpack_from(view, pos)[0] if pos + 8 <= end else end
+            if pos + 8 + n > end:
+                raise GGUFError(f"{self.path}: truncated (a string of {n} bytes at {pos})")
+            if read:
+                out.append(str(view[pos + 8 : pos + 8 + n], "utf-8", errors="replace"))
+            pos += 8 + n
+        self._pos = pos
+        return out if read else None
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()
@@ -153,8 +205,9 @@ class GGUFFile:
         ttype, offset = self._scalar("<I"), self._scalar("<Q")
         if ttype not in TENSOR_TYPES:
             supported = ", ".join(v[0] for v in TENSOR_TYPES.values())
+            kind = f"{_OTHER_TYPES[ttype]} (ggml type {ttype})" if ttype in _OTHER_TYPES else ttype
             raise GGUFError(
-                f"{self.path}: tensor {name} has ggml type {ttype}, not supported "
+                f"{self.path}: tensor {name} has ggml type {kind}, not supported "
                 f"(supported: {supported})"
             )
         return name, tuple(reversed(dims)), ttype, offset

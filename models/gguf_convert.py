@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,21 +128,36 @@ def hf_config(f: GGUFFile, dtype: str) -> dict[str, Any]:
 
 
 def hf_tensors(f: GGUFFile, config: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name in f.tensors:
-        hf_name = _hf_name(name)
-        if hf_name is None:
-            raise GGUFError(f"{f.path}: tensor {name} has no Hugging Face Llama counterpart")
-        w = f.dequantize(name)
-        if name.endswith("attn_q.weight"):
-            w = unpermute_rotary(w, config["num_attention_heads"])
-        elif name.endswith("attn_k.weight"):
-            w = unpermute_rotary(w, config["num_key_value_heads"])
-        out[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+    heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out = {name: w.to(dtype) for name, w in iter_hf_tensors(f, *heads)}
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - out.keys()
     if missing:
         raise GGUFError(f"{f.path}: missing tensor(s) {', '.join(sorted(missing))}")
     return out
+
+
+def iter_hf_tensors(
+    f: GGUFFile, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor as float32 under its Hugging Face name, Q and K in Hugging Face's order."""
+    for name in f.tensors:
+        out_name = hf_name(name)
+        if out_name is None:
+            raise GGUFError(f"{f.path}: tensor {name} has no Hugging Face Llama counterpart")
+        w = f.dequantize(name)
+        heads = rotary_heads(name, num_heads, num_kv_heads)
+        if heads is not None:
+            w = unpermute_rotary(w, heads)
+        yield out_name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def rotary_heads(name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """The head count whose rotary row order GGUF tensor ``name`` is stored in (Q or K)."""
+    if name.endswith("attn_q.weight"):
+        return num_heads
+    if name.endswith("attn_k.weight"):
+        return num_kv_heads
+    return None
 
 
 def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -152,7 +168,8 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
+def hf_name(name: str) -> str | None:
+    """GGUF tensor ``name`` -> its Hugging Face Llama name (None: it has none)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, _, rest = name.partition(".")

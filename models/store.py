@@ -2,7 +2,8 @@
 
     $PDSERVE_HOME/models/               (default ~/.cache/pdserve/models)
       smollm2-135m-instruct/            a pulled model: a Hugging Face directory
-        config.json  model.safetensors  tokenizer.json ...
+        model.gguf                      the registry's file as it came (served quantized)
+        config.json  model.safetensors  tokenizer.json ...   (float, converted from it)
         pdserve-model.json              where it came from, checksums, sizes (``ModelRecord``)
       tiny-llama-seed0/                 the random test models, made on first use
 
@@ -22,6 +23,8 @@ from typing import Any
 from pdserve import envs
 
 RECORD_FILE = "pdserve-model.json"
+GGUF_FILE = "model.gguf"  # a pulled model's own file, kept beside its float conversion
+FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that are not quantized blocks
 RANDOM_PRESETS = ("tiny", "small")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -65,6 +68,13 @@ class ModelRecord:
     kv_bytes_per_token: int
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     created: str = ""
+    gguf_types: dict[str, int] = field(default_factory=dict)  # model.gguf: tensors per type
+    gguf_bytes: int = 0  # model.gguf's tensors as stored (what serving it quantized reads)
+
+    @property
+    def quantization(self) -> str:
+        """What ``--quantization auto`` serves from this directory (``quantization_label``)."""
+        return quantization_label(self.gguf_types)
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelRecord | None:
@@ -89,9 +99,18 @@ def cache_name(name: str, dtype: str) -> str:
 
 
 def cached(name: str, dtype: str = "float32") -> Path | None:
-    """A pulled model's directory, if it is complete."""
+    """A pulled model's directory, if it is complete (one pulled before GGUF files were kept
+    lacks its model.gguf: it is pulled again)."""
     path = models_dir() / cache_name(name, dtype)
-    return path if (path / RECORD_FILE).is_file() else None
+    complete = (path / RECORD_FILE).is_file() and (path / GGUF_FILE).is_file()
+    return path if complete else None
+
+
+def quantization_label(gguf_types: dict[str, int]) -> str:
+    """What serving a GGUF as it is means, from its tensor types: "gguf Q4_1+Q8_0" (its
+    quantized block types, sorted), or "none" where every tensor is float (or no GGUF)."""
+    quantized = sorted(t for t in gguf_types if t not in FLOAT_TYPES)
+    return "gguf " + "+".join(quantized) if quantized else "none"
 
 
 def iter_cached() -> Iterator[tuple[Path, ModelRecord | None]]:
@@ -150,11 +169,23 @@ def resolve_model(model: str | None, dtype: str = "auto", pull: bool = True) -> 
 
 
 def describe(path: Path, record: ModelRecord | None) -> dict[str, Any]:
-    """One row of ``pdserve models``."""
+    """One row of ``pdserve models``; ``weights`` lists the forms the directory can be served
+    in, the one ``--quantization auto`` takes first."""
     if record is None:
-        return {"name": path.name, "path": str(path), "source": "made locally (random weights)"}
+        files = sorted(path.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in files)
+        return {
+            "name": path.name,
+            "path": str(path),
+            "source": "made locally (random weights)",
+            "quantization": "none",
+            "weights": [_form("none", size, files, _config_dtype(path))],
+        }
     src = record.source
     origin = src.get("package") and f"{src['package']} {src.get('version', '')}".strip()
+    weights = [_form("none", record.weight_bytes, [path / "model.safetensors"], record.dtype)]
+    if (path / GGUF_FILE).is_file() and record.quantization != "none":
+        weights.insert(0, _form(record.quantization, record.gguf_bytes, [path / GGUF_FILE]))
     return {
         "name": path.name,
         "path": str(path),
@@ -163,4 +194,23 @@ def describe(path: Path, record: ModelRecord | None) -> dict[str, Any]:
         "parameters": record.num_parameters,
         "weight_bytes": record.weight_bytes,
         "kv_bytes_per_token": record.kv_bytes_per_token,
+        "quantization": weights[0]["quantization"],
+        "gguf_types": record.gguf_types,
+        "weights": weights,
     }
+
+
+def _config_dtype(path: Path) -> str:
+    try:
+        return str(json.loads((path / "config.json").read_text()).get("torch_dtype") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _form(quantization: str, nbytes: int, files: list[Path], dtype: str = "") -> dict[str, Any]:
+    """One form of a model's weights: {"quantization", "dtype", "bytes", "files"}."""
+    form: dict[str, Any] = {"quantization": quantization, "bytes": nbytes}
+    if dtype:
+        form["dtype"] = dtype
+    form["files"] = [f.name for f in files]
+    return form

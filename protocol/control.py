@@ -32,6 +32,9 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # the model's weight form (CausalLM.quantization: "none", "int8", "gguf Q4_1+Q8_0", ...):
+    # blocks computed from other weights hold other values, so such workers never pair
+    weights: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

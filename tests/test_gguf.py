@@ -59,8 +59,14 @@ def test_unpermute_rotary_inverts_llama_cpp() -> None:
     assert rows.tolist() == [0, 2, 4, 1, 3, 5]
 
 
-def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType | None) -> Path:
-    """A llama.cpp-style GGUF of a Hugging Face checkpoint (``make-model``'s tiny one)."""
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    qtype: gguf.GGMLQuantizationType | None,
+    overrides: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
+    """A llama.cpp-style GGUF of a Hugging Face checkpoint (``make-model``'s tiny one): its
+    matrices in ``qtype`` (None: float32), or in ``overrides[GGUF name]``'s."""
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -98,8 +104,9 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType | No
             data = permute_like_llama_cpp(data, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             data = permute_like_llama_cpp(data, cfg["num_key_value_heads"])
-        if qtype is not None and data.ndim == 2:
-            w.add_tensor(names[name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        kind = (overrides or {}).get(names[name], qtype)
+        if kind is not None and data.ndim == 2:
+            w.add_tensor(names[name], gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             w.add_tensor(names[name], data)
     w.write_header_to_file()

@@ -41,6 +41,10 @@ def test_a_gguf_file_is_converted_recorded_and_listed(home, tiny_gguf, capsys) -
     assert sorted(record.files) == sorted(
         p.name for p in path.iterdir() if p.name != "pdserve-model.json"
     )
+    # the GGUF itself is kept beside the float conversion, checked like every other file
+    assert (path / "model.gguf").read_bytes() == tiny_gguf.read_bytes()
+    assert record.files["model.gguf"] == record.source["sha256"]
+    assert record.gguf_types == {"F32": 20} and record.quantization == "none"  # a float GGUF
     assert verify(path, record) == []
     assert cached("tiny-model") == path
     # a second pull is the cache; a changed file is caught by --verify
@@ -88,3 +92,49 @@ def test_model_names_resolve(home, tmp_path) -> None:
         resolve_model("nonsense")
     with pytest.raises(FileNotFoundError, match=r"model directory \./missing does not exist"):
         resolve_model("./missing")
+
+
+def test_a_quantized_gguf_is_recorded_and_listed_in_both_forms(home, tiny_dir, capsys) -> None:
+    import gguf
+
+    from tests.test_gguf import write_gguf
+
+    q = gguf.GGMLQuantizationType
+    src = write_gguf(tiny_dir, home.parent / "q.gguf", q.Q4_1, {"token_embd.weight": q.Q8_0})
+    path = pull_model(str(src))
+    record = ModelRecord.read(path)
+    assert record.gguf_types == {"F32": 5, "Q4_1": 14, "Q8_0": 1}
+    assert record.quantization == "gguf Q4_1+Q8_0"
+    # 2 layers of q, k, v, o, gate, up, down (Q4_1: 20 bytes a block of 32), the embedding
+    # (Q8_0: 34 bytes a block), five norms of 64 float32
+    layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) // 32 * 20
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    assert record.gguf_bytes == 2 * layer + vocab * 64 // 32 * 34 + 5 * 64 * 4
+    assert record.weight_bytes == 4 * record.num_parameters
+    assert run_models(type("A", (), {"json": False, "verify": False})()) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = lines.index(next(line for line in lines if line.startswith("q ")))
+    assert f"gguf Q4_1+Q8_0 {record.gguf_bytes / 1e6:.1f} MB" in lines[row]
+    assert lines[row + 1].split() == ["float32", f"{record.weight_bytes / 1e6:.1f}", "MB"]
+    assert lines[0].split() == ["NAME", "PARAMS", "DTYPE", "KV/TOKEN", "WEIGHTS", "SOURCE"]
+    run_models(type("A", (), {"json": True, "verify": False})())
+    (row_json,) = map(json.loads, capsys.readouterr().out.splitlines())
+    assert row_json["quantization"] == "gguf Q4_1+Q8_0"
+    assert [(w["quantization"], w["bytes"], w["files"]) for w in row_json["weights"]] == [
+        ("gguf Q4_1+Q8_0", record.gguf_bytes, ["model.gguf"]),
+        ("none", record.weight_bytes, ["model.safetensors"]),
+    ]
+
+
+def test_a_directory_pulled_before_ggufs_were_kept_is_pulled_again(home, tiny_gguf) -> None:
+    path = pull_model(str(tiny_gguf))
+    (path / "model.gguf").unlink()  # as a pull made before this change left it
+    old = json.loads((path / "pdserve-model.json").read_text())
+    del old["files"]["model.gguf"], old["gguf_types"], old["gguf_bytes"]
+    (path / "pdserve-model.json").write_text(json.dumps(old))
+    assert ModelRecord.read(path).quantization == "none"
+    assert cached("tiny-model") is None
+    assert pull_model(str(tiny_gguf)) == path
+    assert cached("tiny-model") == path
+    record = ModelRecord.read(path)
+    assert record.files["model.gguf"] == record.source["sha256"] and verify(path, record) == []

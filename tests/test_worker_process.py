@@ -333,7 +333,7 @@ def test_a_prefill_worker_registers_with_its_defaults(
     assert (reg.transfer_address, reg.transfer_backend) == ("", "zmq")
     assert (reg.num_blocks, reg.max_model_len) == (64, 512)
     assert reg.layout == KVLayout(
-        block_size=8, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16
+        block_size=8, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, weights="none"
     )
     last = [msg for msg in coordinator.got if isinstance(msg, Heartbeat)][-1]
     assert (last.worker_id, last.load.draining, last.load.total_blocks) == (reg.worker_id, True, 64)

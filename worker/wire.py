@@ -91,8 +91,10 @@ def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
-    """What this engine's blocks look like to another worker (``Register.layout``)."""
-    return layout_of(engine.status.kv_layers)
+    """What this engine's blocks look like to another worker (``Register.layout``), with the
+    weights that compute them."""
+    weights = engine.runner.model.quantization
+    return dataclasses.replace(layout_of(engine.status.kv_layers), weights=weights)
 
 
 class TransferStats:

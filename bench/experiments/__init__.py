@@ -4,7 +4,7 @@
 
     disagg_vs_colocated.py  disaggregated against colocated, the ``mixed`` workload
     kv_routing.py           KV-aware against load routing, multi-turn (``kv_routing_report.py``)
-    peers/compare.py        pdserve against vLLM's CPU build on the same cores
+    peers/compare.py        pdserve against vLLM's CPU build and llama.cpp on the same cores
     overhead.py             the serving path's cost against the in-process engine
     soak.py                 a bounded run with faults: hung requests and leaked blocks
 """

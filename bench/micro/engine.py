@@ -9,6 +9,7 @@ This is an engine benchmark, so unlike the client harness it imports torch and t
 
     .venv/bin/python bench/micro/engine.py           # SmolLM2-135M, then the random small model
     .venv/bin/python bench/micro/engine.py --model tiny --concurrency 1 4 --output-len 32
+    .venv/bin/python bench/micro/engine.py --quantization int4     # pdserve's int4 weights
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.models.store import DEFAULT_MODEL, resolve_model
 from pdserve.protocol.sampling import SamplingParams
@@ -38,6 +39,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATIONS),
+        help="pdserve's weights (transformers stays float32; quantized tokens may differ)",
+    )
+    p.add_argument("--quant-group-size", type=int, default=32)
     return p.parse_args()
 
 
@@ -81,6 +89,8 @@ def bench_model(model_dir: str, args: argparse.Namespace) -> None:
             model=model_dir,
             dtype="float32",
             seed=args.seed,
+            quantization=args.quantization,
+            quant_group_size=args.quant_group_size,
             cache=CacheConfig(kv_cache_memory=1 << 30),
             scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
         )
@@ -95,7 +105,7 @@ def bench_model(model_dir: str, args: argparse.Namespace) -> None:
 
     print(
         f"model {model_dir}  input {args.input_len}  output {args.output_len}  "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}  weights {engine.runner.model.quantization}"
     )
     header = f"{'C':>4} {'pdserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>7} {'match':>7}"
     print(header)

@@ -1,10 +1,9 @@
 """The CPU paged decode attention kernel (``cpu_decode.c``): built at first use, loaded by ctypes.
 
-Built with the system C compiler into ``$PDSERVE_HOME/kernels/cpu_decode-<sha>.so``, the sha
-over the source, the flags, the compiler and this CPU (``-march=native``); written under a
-temporary name and renamed, so processes starting together each build or find a whole file.
-No compiler, a failed build or an unwritable cache directory: ``load_kernel()`` is None and
-the torch backend keeps its gather + bmm path (logged once at INFO).
+Built with the system C compiler into ``$PDSERVE_HOME/kernels/cpu_decode-<sha>.so``
+(engine/native_build.py). No compiler, a failed build or an unwritable cache directory:
+``load_kernel()`` is None and the torch backend keeps its gather + bmm path (logged once at
+INFO).
 
 It reads float32 and bfloat16 caches. ``KernelPlan`` is its per-step input, built once in the
 backend's ``plan`` and shared by every layer::
@@ -16,27 +15,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pdserve.engine import native_build
+from pdserve.engine.native_build import COMPILERS, find_compiler
 from pdserve.envs import pdserve_home
 from pdserve.protocol.blocks import blocks_for
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
-COMPILERS = ("cc", "gcc")
 SYMBOL = "pdserve_paged_decode"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 # Below this many K/V rows a layer (context tokens x KV heads, summed over sequences) one
@@ -122,10 +116,6 @@ class CpuDecodeKernel:
         )
 
 
-def find_compiler() -> str | None:
-    return next(filter(None, map(shutil.which, COMPILERS)), None)
-
-
 @functools.cache
 def load_kernel() -> CpuDecodeKernel | None:
     """The kernel, built on first use in this process; None (logged once) when it cannot be."""
@@ -142,39 +132,4 @@ def load_kernel() -> CpuDecodeKernel | None:
 
 def build(compiler: str, cache_dir: Path | None = None) -> Path:
     """The kernel's shared library, compiled unless a matching one is cached."""
-    cache_dir = cache_dir or pdserve_home() / "kernels"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source)
-    for part in (*FLAGS, compiler, _compiler_version(compiler), _cpu_id()):
-        key.update(part.encode() + b"\0")
-    target = cache_dir / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_decode-", suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _compiler_version(compiler: str) -> str:
-    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    return done.stdout.split("\n", 1)[0]
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
-    except OSError:
-        return platform.machine() + platform.processor()
-    keep = ("model name", "flags", "cpu family", "model\t")
-    return "\n".join(line for line in info.splitlines() if line.startswith(keep))
+    return native_build.build(SOURCE, compiler, cache_dir or pdserve_home() / "kernels")
