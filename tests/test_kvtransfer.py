@@ -348,6 +348,13 @@ def test_layouts() -> None:
         "KV layouts of prefill p0 and decode d0 differ: block_size prefill p0=16 decode d0=32, "
         "dtype prefill p0='bfloat16' decode d0='float32'"
     )
+    # blocks computed by other weights hold other values: a float worker never pairs with int4
+    with pytest.raises(LayoutMismatchError, match="weights prefill p0='none' decode d0='int4-g32'"):
+        check_layouts(
+            dataclasses.replace(a, weights="none"),
+            dataclasses.replace(a, weights="int4-g32"),
+            names=("prefill p0", "decode d0"),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
