@@ -12,13 +12,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.native_build import build, find_compiler
+from pdserve.engine.native_build import find_compiler, open_library
+from pdserve.envs import pdserve_home
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +27,10 @@ SOURCE = Path(__file__).with_name("cpu_norm.c")
 
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr | None:
-    compiler = find_compiler()
-    if compiler is None:
-        logger.info("no C compiler: RMSNorm through torch")
+    lib = open_library(SOURCE, find_compiler(), pdserve_home() / "kernels", logger, "RMSNorm")
+    if lib is None:
         return None
-    try:
-        fn = ctypes.CDLL(str(build(SOURCE, compiler))).pdserve_rms_norm
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        logger.info("CPU RMSNorm kernel unavailable, through torch instead: %s", exc)
-        return None
+    fn = lib.pdserve_rms_norm
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = None

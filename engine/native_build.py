@@ -10,7 +10,9 @@ the build fails or the cache directory cannot be written, logs why once and runs
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -26,6 +28,21 @@ COMPILERS = ("cc", "gcc")
 
 def find_compiler() -> str | None:
     return next(filter(None, map(shutil.which, COMPILERS)), None)
+
+
+def open_library(
+    source: Path, compiler: str | None, cache_dir: Path, log: logging.Logger, what: str
+) -> ctypes.CDLL | None:
+    """``source`` built (or found cached) and loaded; None, said on ``log``, when there is no
+    compiler or the build or load fails, so that ``what`` runs through torch instead."""
+    if compiler is None:
+        log.info("no C compiler (%s): %s through torch", "/".join(COMPILERS), what)
+        return None
+    try:
+        return ctypes.CDLL(str(build(source, compiler, cache_dir)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("%s kernel unavailable, through torch instead: %s", what, exc)
+        return None
 
 
 def build(

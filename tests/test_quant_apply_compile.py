@@ -15,16 +15,8 @@ import torch
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.quant.linear import QuantLinear
-from pdserve.models.make_model import PRESETS, make_model
 from tests.engine_util import greedy, prompts
-from tests.test_compile import ONE_LAYER
-
-
-@pytest.fixture(scope="module")
-def one_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(PRESETS, "one-layer", ONE_LAYER)
-        return Path(make_model(tmp_path_factory.mktemp("one-layer"), preset="one-layer"))
+from tests.test_compile import one_layer_dir  # noqa: F401 - the fixture, shared
 
 
 def config(path: Path, compile: bool) -> EngineConfig:
@@ -39,7 +31,8 @@ def config(path: Path, compile: bool) -> EngineConfig:
 
 
 def test_compiled_decode_steps_give_the_eager_tokens(
-    one_layer_dir: Path, monkeypatch: pytest.MonkeyPatch
+    one_layer_dir: Path,  # noqa: F811 - test_compile's fixture, imported above
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     eager = LLMEngine(config(one_layer_dir, compile=False))
     compiled = LLMEngine(config(one_layer_dir, compile=True))

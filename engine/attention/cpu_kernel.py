@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.engine import native_build
-from pdserve.engine.native_build import COMPILERS, find_compiler
+from pdserve.engine.native_build import find_compiler
 from pdserve.envs import pdserve_home
 from pdserve.protocol.blocks import blocks_for
 
@@ -119,15 +118,10 @@ class CpuDecodeKernel:
 @functools.cache
 def load_kernel() -> CpuDecodeKernel | None:
     """The kernel, built on first use in this process; None (logged once) when it cannot be."""
-    compiler = find_compiler()
-    if compiler is None:
-        logger.info("no C compiler (%s): CPU decode attention through torch", "/".join(COMPILERS))
-        return None
-    try:
-        return CpuDecodeKernel(ctypes.CDLL(str(build(compiler))))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.info("CPU decode attention kernel unavailable, through torch instead: %s", exc)
-        return None
+    lib = native_build.open_library(
+        SOURCE, find_compiler(), pdserve_home() / "kernels", logger, "CPU decode attention"
+    )
+    return None if lib is None else CpuDecodeKernel(lib)
 
 
 def build(compiler: str, cache_dir: Path | None = None) -> Path:

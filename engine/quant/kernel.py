@@ -15,13 +15,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
 from pdserve.engine import native_build
-from pdserve.engine.native_build import COMPILERS, find_compiler
+from pdserve.engine.native_build import find_compiler
 from pdserve.engine.quant.weights import QuantWeight
 from pdserve.envs import pdserve_home
 
@@ -80,18 +79,14 @@ class QLinearKernel:
 @functools.cache
 def load_kernel() -> QLinearKernel | None:
     """The kernel, built on first use in this process; None (logged once) when it cannot be."""
-    compiler = find_compiler()
-    if compiler is None:
-        logger.info(
-            "no C compiler (%s): quantized linear layers through torch (dequantize + matmul)",
-            "/".join(COMPILERS),
-        )
-        return None
-    try:
-        return QLinearKernel(ctypes.CDLL(str(build(compiler))))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.info("quantized linear kernel unavailable, through torch instead: %s", exc)
-        return None
+    lib = native_build.open_library(
+        SOURCE,
+        find_compiler(),
+        pdserve_home() / "kernels",
+        logger,
+        "quantized linear layers (dequantize + matmul)",
+    )
+    return None if lib is None else QLinearKernel(lib)
 
 
 def build(compiler: str, cache_dir: Path | None = None) -> Path:
