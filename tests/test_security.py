@@ -231,7 +231,7 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
         # one socket's messages arrive in order: the state asked for on as_w1 follows its own
         send_msg(as_w1, register("d1"))
         send_msg(as_w1, heartbeat("d1", used=7))
-        send_msg(keyless, register("fake", num_blocks=1 << 30))  # no key: never heard
+        attempt(keyless, register("fake", num_blocks=1 << 30))  # no key: never heard
         send_msg(as_w2, register("huge", num_blocks=1 << 40))  # a key, impossible numbers
         assert refused("refusing worker huge: num_blocks=1099511627776 is outside [1, ")
         assert workers() == {"d1": (7, 64)}
