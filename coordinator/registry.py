@@ -14,11 +14,11 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from pdserve.coordinator.counter_checks import counters_problem
 from pdserve.coordinator.kv_index import KVIndex, kv_events_problem
 from pdserve.kvtransfer.base import LayoutMismatchError, check_layouts
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import (
-    TRANSFER_SECONDS_BUCKETS,
     Heartbeat,
     KVEvents,
     Register,
@@ -283,17 +283,4 @@ def load_problem(load: WorkerLoad, num_blocks: int) -> str | None:
     queued = load.queued_prompt_tokens
     if not 0 <= queued <= MAX_QUEUED_TOKENS:
         return f"queued_prompt_tokens={queued} is outside [0, {MAX_QUEUED_TOKENS}]"
-    return None
-
-
-def counters_problem(c: WorkerCounters) -> str | None:
-    """Totals that cannot be a worker's: negative, not finite, or a histogram of the wrong
-    shape (they are only shown in ``/metrics``, but never as garbage)."""
-    totals = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
-    if any(not 0 <= v < 1 << 63 for v in (*totals, *c.transfer_seconds_counts)):
-        return "a counter outside [0, 2**63)"
-    if not 0.0 <= c.transfer_seconds_sum < float(1 << 63):  # NaN fails too
-        return f"transfer_seconds_sum={c.transfer_seconds_sum}"
-    if len(c.transfer_seconds_counts) not in (0, len(TRANSFER_SECONDS_BUCKETS) + 1):
-        return f"{len(c.transfer_seconds_counts)} transfer-time buckets"
     return None

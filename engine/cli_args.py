@@ -58,6 +58,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seconds one step may take: at start-up the per-step token budget is lowered "
         "to what runs within it on this machine (0: off, keep --max-num-batched-tokens)",
     )
+    g.add_argument(
+        "--tpot-target-ms",
+        type=_auto_ms,
+        default="auto",
+        help="milliseconds a step carrying decode streams should take: prompt chunks beside "
+        "them are sized to fit it (stall-free chunked prefill). auto: 50, or twice a lone "
+        "decode step here when that is longer; 0: no target",
+    )
+    g.add_argument(
+        "--prefill-age-bound-ms",
+        type=float,
+        default=SchedulerConfig.prefill_age_bound_s * 1e3,
+        help="prompts that go this long without a token computed (the target leaves no room) "
+        "take a KV block's tokens a step past the TPOT target: slowly, but none starves",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
     g.add_argument(
@@ -99,8 +114,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_step_time_s=args.max_step_time,
+            tpot_target_s=None if args.tpot_target_ms == "auto" else args.tpot_target_ms / 1e3,
+            prefill_age_bound_s=args.prefill_age_bound_ms / 1e3,
         ),
     )
+
+
+def _auto_ms(text: str) -> str | float:
+    """``auto`` or a number of milliseconds."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or milliseconds, got {text!r}") from None
 
 
 def _bytes(text: str) -> int:

@@ -186,6 +186,12 @@ class SchedulerConfig:
     # a step (~30 ms for SmolLM2-135M on one CPU core) stays near 6% of it (12% at 0.25 s);
     # a 2,048-token chunk of a 7-8B model on a GPU takes ~0.1 s, so GPUs keep the max.
     max_step_time_s: float = 0.5
+    # What a step carrying decodes should take (stall-free chunked prefill: engine/scheduler.py,
+    # engine/step_model.py): None: auto (DEFAULT_TPOT_TARGET_S, or twice a lone decode step
+    # here when that is longer); <= 0: no target (prompt chunks fill the budget).
+    tpot_target_s: float | None = None
+    # Prompts going this long without a token computed take a block a step past the target.
+    prefill_age_bound_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -198,6 +204,15 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_step_time_s must be a number of seconds (<= 0: off), "
                 f"got {self.max_step_time_s}"
+            )
+        if self.tpot_target_s is not None and not math.isfinite(self.tpot_target_s):
+            raise ConfigError(
+                f"tpot_target_s must be a number of seconds (<= 0: off), got {self.tpot_target_s}"
+            )
+        if not (math.isfinite(self.prefill_age_bound_s) and self.prefill_age_bound_s > 0):
+            raise ConfigError(
+                f"prefill_age_bound_s must be a positive number of seconds, "
+                f"got {self.prefill_age_bound_s}"
             )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -36,7 +37,9 @@ from pdserve.engine.requests import RequestTable
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
 from pdserve.engine.step_budget import calibrate_step_budget
+from pdserve.engine.step_target import StepTarget
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.protocol.control import StepCounters
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.tenancy import DEFAULT, Share
@@ -87,7 +90,11 @@ class LLMEngine:
             scheduler_config = replace(
                 scheduler_config, max_num_batched_tokens=self.step_budget.tokens
             )
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        # the TPOT target steps carrying decodes are sized by, and each step's figures
+        self.steps = StepTarget.calibrate(
+            config.scheduler, self.runner, self.block_manager, self.max_model_len, self.step_budget
+        )
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, self.steps.cap())
         eos_token_ids = _eos_ids(config.model, self.model_config)
         self.sampler = Sampler(self.runner.device, config.seed, eos_token_ids)
         self.requests = RequestTable(
@@ -147,13 +154,14 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.requests.take_due()]
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
         inputs = self.runner.prepare(batch.seqs, batch.num_new_tokens)
         logits = self.runner.execute(inputs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if not (n == 1 and _decode_step(seq)):
+            if not (n == 1 and seq.is_decoding):
                 self.prefill_tokens_computed += n  # anything but one token's decode step
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -164,6 +172,7 @@ class LLMEngine:
                 self._append_token(seq, token, lp)
                 outputs.append(self._output(seq))
             self.forks.settle(inputs.sample_seqs)
+        self.steps.observe(batch, time.perf_counter() - start)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
@@ -193,6 +202,10 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
         )
+
+    def step_counters(self) -> StepCounters:
+        """The steps so far, with the TPOT target and step-time model sizing them (metrics)."""
+        return self.steps.counters()
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(
@@ -271,7 +284,7 @@ class EngineStatus:
         each running one's but for a one-token decode step (cheap, and not prompt work)."""
         sched = self._scheduler
         waiting = sum(s.num_uncomputed_tokens for s in sched.waiting)
-        return waiting + sum(s.num_uncomputed_tokens for s in sched.running if not _decode_step(s))
+        return waiting + sum(s.num_uncomputed_tokens for s in sched.running if not s.is_decoding)
 
     @property
     def prefix_hit_tokens(self) -> int:
@@ -284,9 +297,3 @@ def _eos_ids(model_dir: str, cfg: ModelConfig) -> list[int]:
     if (Path(model_dir) / "tokenizer.json").is_file():
         return Tokenizer.from_dir(model_dir).eos_token_ids
     return list(cfg.eos_token_ids)
-
-
-def _decode_step(seq: Sequence) -> bool:
-    """``seq``'s next computation is one generated token's: not prompt work, neither in
-    ``LLMEngine.prefill_tokens_computed`` nor in ``EngineStatus.queued_prompt_tokens``."""
-    return seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0

@@ -19,6 +19,12 @@ while budget, ``max_num_seqs`` and blocks allow, in the fair queue's order
 prompt tokens, then priority and arrival), a preempted one first; a waiting sequence that
 does not fit blocks those after it (no smaller one jumps it).
 
+Stall-free steps (``cap``: engine/step_model.py sizes it): a step carrying decodes adds only the
+prompt tokens that keep its predicted time within the TPOT target; the rest wait for the next
+step. Prompts that have gone ``age_bound_s`` without a token computed take a block's tokens a
+step past the cap between them, so none starves. With no decodes running, prompts take the whole
+budget; decodes later in the running list keep their share of it.
+
 A reservation (engine/kv_handoff.py) is a sequence WAITING_FOR_REMOTE_KVS, kept in
 ``waiting_for_kvs`` and never scheduled: blocks that another worker's KV is written into, held
 until the KV has landed and the sequences decoding from it take them over (it is then
@@ -32,7 +38,8 @@ enter WAITING with forked blocks (or finish there) and the prompt sequence is FI
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +47,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.prefill_cap import PrefillCap, PrefillRoom
 from pdserve.fair_queue import FairQueue
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
@@ -76,6 +84,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # when the scheduler queued it or last computed prompt tokens of it (its clock), and
+    # whether it went the age bound without any (engine/prefill_cap.py)
+    progress_s: float | None = None
+    overdue: bool = False
     generator: torch.Generator | None = None
     hold_kv: bool = False  # keep blocks after finishing (prefill worker: KV still to send)
     num_prompt_tokens: int = field(init=False, default=0)
@@ -125,12 +137,25 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
+    @property
+    def is_decoding(self) -> bool:
+        """Its next computation is one generated token's (a decode step): not prompt work."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    decode_seqs: int = 0  # sequences in it taking one decode token
+    # prompt tokens overdue prompts took past the cap (``PrefillCap``): 0 when none did
+    overdue_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of prompt work (chunks, recomputation): all but the decode steps."""
+        return self.num_tokens - self.decode_seqs
 
     @property
     def num_tokens(self) -> int:
@@ -144,9 +169,17 @@ class Scheduler:
     """Owns the queues a sequence is in (``waiting``, ``running``, ``waiting_for_kvs``) and
     picks each step's batch from them."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        cap: PrefillCap | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
+        self.cap = cap
+        self.clock = clock
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
         # by share; the cost a tenant is charged is the tokens still to compute when queued
         self.waiting: FairQueue[Sequence] = FairQueue()
@@ -156,6 +189,8 @@ class Scheduler:
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue ``seq``; ``front``: ahead of every waiting one (what was just running)."""
         seq.status = SequenceStatus.WAITING
+        if seq.progress_s is None:
+            seq.progress_s = self.clock()
         if front:
             self.waiting.push_front(seq)
         else:
@@ -174,20 +209,28 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold or budget
+        room = PrefillRoom(self.cap, self.running, self.clock())
 
-        # 1. running sequences, oldest first; preempt from the back when blocks run out
+        # 1. running sequences, oldest first; preempt from the back when blocks run out. The
+        # budget of the decodes further on is kept for them.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget, threshold)
+            decoding = seq.is_decoding
+            n = min(seq.num_uncomputed_tokens, budget - room.decodes_after(decoding), threshold)
+            n = n if decoding else room.take(seq, n)
+            if n <= 0:  # prompt work that waits for a step with room
+                i += 1
+                continue
             while not self.blocks.allocate(seq, n):
                 victim = self.running.pop()
+                room.dropped(victim)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                self._add(batch, seq, n, decoding)
+                room.used(seq, n, decoding)
                 budget -= n
                 i += 1
 
@@ -199,8 +242,10 @@ class Scheduler:
             seq = self.waiting.peek()
             hits = self.blocks.find_cached_prefix(seq) if not seq.block_table else []
             remaining = seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size
+            decoding = seq.is_decoding
             n = min(remaining, budget, threshold)
-            if not self.blocks.allocate(seq, n, hits):
+            n = n if decoding else room.take(seq, n)
+            if n <= 0 or not self.blocks.allocate(seq, n, hits):
                 break
             if hits and seq.num_preemptions == 0:
                 seq.num_cached_tokens = len(hits) * self.blocks.block_size
@@ -208,10 +253,17 @@ class Scheduler:
             self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            self._add(batch, seq, n, decoding)
+            room.used(seq, n, decoding)
             budget -= n
+        batch.overdue_tokens = room.overdue_tokens
         return batch
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, seq: Sequence, n: int, decoding: bool) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        batch.decode_seqs += decoding
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Remove a finished (or aborted) sequence from its queue; free its blocks unless

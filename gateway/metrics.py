@@ -10,6 +10,7 @@ from enum import StrEnum
 
 from pdserve.gateway.planning import LatencySampler, PlannerMetrics
 from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.gateway.step_metrics import StepMetrics
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS
 
@@ -88,9 +89,9 @@ class GatewayMetrics:
 
 
 class ClusterMetrics:
-    """The workers' load and totals and the coordinator's routing decisions, as it last reported
-    them (``ClusterState``): replaced wholesale at each render, so a worker that left
-    disappears."""
+    """The workers' load and totals (their engine steps in ``steps``) and the coordinator's
+    routing decisions, as it last reported them (``ClusterState``): replaced wholesale at each
+    render, so a worker that left disappears."""
 
     def __init__(self, r: Registry) -> None:
         worker = ["role", "worker"]
@@ -130,6 +131,7 @@ class ClusterMetrics:
                 worker,
             )
         )
+        self.steps = StepMetrics(r)  # what each worker's engine steps were
         self.routing = r.add(
             Counter(
                 "pdserve_routing_decisions_total",
@@ -152,6 +154,7 @@ class ClusterMetrics:
         totals = (self.prefix_hits, self.prefill_computed, self.kv_blocks_sent, self.kv_bytes_sent)
         for metric in (*gauges, *totals, self.transfer_time):
             metric.clear()
+        self.steps.clear()
         for s in stats:
             labels = {"role": s.role, "worker": s.worker_id}
             figures = (s.load.used_blocks, s.load.total_blocks, s.load.running, s.load.waiting)
@@ -166,6 +169,7 @@ class ClusterMetrics:
                 self.transfer_time.set_counts(
                     c.transfer_seconds_counts, c.transfer_seconds_sum, **labels
                 )
+            self.steps.set(c.steps, s.role, s.worker_id)
 
 
 class RunMetrics:

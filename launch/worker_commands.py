@@ -28,6 +28,8 @@ FORWARDED_ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_step_time",
+    "tpot_target_ms",
+    "prefill_age_bound_ms",
     "seed",
 )
 

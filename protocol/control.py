@@ -22,6 +22,21 @@ Role = Literal["prefill", "decode", "both"]
 # upper bounds (seconds) of the KV-transfer-time histogram a worker reports, then +Inf
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+# The engine's steps (engine/step_stats.py), by kind: ``decode`` (decode tokens only), ``mixed``
+# (decode tokens and prompt chunks: the steps a TPOT target caps), ``prefill`` (prompt chunks
+# only: no stream waits on them). Upper bounds of each histogram, then +Inf.
+STEP_KINDS = ("decode", "mixed", "prefill")
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+STEP_PREFILL_TOKENS_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+STEP_DECODE_SEQS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Why a step carrying decodes ran over the TPOT target: ``decodes`` (its decodes alone were
+# predicted over it: more streams than the target allows), ``age_bound`` (a prompt that had
+# waited past the age bound took tokens the target had no room for), ``misprediction`` (it
+# was predicted within the target: the step-time model was off, or the machine was busy).
+OVER_TARGET_REASONS = ("decodes", "age_bound", "misprediction")
+# The step-time model's terms (engine/step_model.py), in ``StepCounters.model``'s order
+STEP_MODEL_TERMS = ("fixed", "per_prefill_token", "per_decode_seq", "batched")
+
 
 @dataclass(frozen=True, kw_only=True)
 class KVLayout:
@@ -96,6 +111,30 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepHistogram:
+    """One kind of step (``STEP_KINDS``): counts per bucket of each histogram (one count per
+    bound of its ``STEP_*_BUCKETS`` and one past the last, not cumulative) and sums."""
+
+    seconds_counts: list[int]
+    seconds_sum: float
+    prefill_tokens_counts: list[int]
+    prefill_tokens_sum: int
+    decode_seqs_counts: list[int]
+    decode_seqs_sum: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCounters:
+    """A worker's engine steps since it started and how it sizes them (``/metrics``)."""
+
+    tpot_target_s: float = 0.0  # what a step carrying decodes should take; 0: no target
+    # the step-time model now, seconds, one a ``STEP_MODEL_TERMS``; empty when there is none
+    model: list[float] = field(default_factory=list)
+    by_kind: dict[str, StepHistogram] = field(default_factory=dict)  # STEP_KINDS that ran
+    over_target: dict[str, int] = field(default_factory=dict)  # OVER_TARGET_REASONS -> steps
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerCounters:
     """A worker's totals since it started (``Heartbeat`` → ``ClusterState`` → ``/metrics``)."""
 
@@ -107,6 +146,7 @@ class WorkerCounters:
     # pushes that ended (done or failed) by time taken: one count per
     # ``TRANSFER_SECONDS_BUCKETS`` bound and one past the last (not cumulative); empty: none
     transfer_seconds_counts: list[int] = field(default_factory=list)
+    steps: StepCounters = field(default_factory=StepCounters)
 
 
 @message("heartbeat")

@@ -159,6 +159,39 @@ def test_32_concurrent_streams_then_every_block_free(cluster) -> None:
         )
 
 
+def step_counts(c: ServedCluster) -> dict[tuple[str, str], float]:
+    """(role, kind) -> engine steps its workers ran, from /metrics."""
+    name = "pdserve_worker_step_seconds_count"
+    pattern = rf'^{name}\{{role="(\w+)",worker="[^"]+",kind="(\w+)"\}} (\S+)$'
+    out: dict[tuple[str, str], float] = {}
+    for role, kind, value in re.findall(pattern, c.metrics(), re.M):
+        out[role, kind] = out.get((role, kind), 0.0) + float(value)
+    return out
+
+
+def test_each_workers_steps_reach_metrics(cluster) -> None:
+    """One request's steps, from each worker's heartbeat through the coordinator to /metrics:
+    its prompt is one prefill step on the prefill worker, its tokens 1..3 three decode steps on
+    the decode worker (token 0 is the prefill's)."""
+    assert set(cluster.wait_blocks_free().values()) == {0.0}  # what ran before is counted
+    before = step_counts(cluster)
+    out = client(cluster).completions.create(
+        model=cluster.model_name,
+        prompt="steps on each worker",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 4
+    want = dict(before)
+    want["prefill", "prefill"] = before.get(("prefill", "prefill"), 0.0) + 1
+    want["decode", "decode"] = before.get(("decode", "decode"), 0.0) + 3
+    wait_until(lambda: step_counts(cluster) == want, what=f"steps {want}")
+    assert set(cluster.wait_blocks_free().values()) == {0.0}
+    assert step_counts(cluster) == want  # and no more: every step of the request was counted
+    assert not {k for k in want if k[0] == "prefill" and k[1] != "prefill"}  # never decodes
+
+
 def test_client_disconnect_frees_blocks(cluster) -> None:
     body = {
         "model": cluster.model_name,

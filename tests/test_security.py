@@ -24,7 +24,14 @@ from pdserve.coordinator.main import GATEWAY_IDLE_S, _Outbox
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.launch.keygen import keygen
 from pdserve.protocol import messages as m
-from pdserve.protocol.control import Heartbeat, KVLayout, Register, WorkerLoad
+from pdserve.protocol.control import (
+    Heartbeat,
+    KVLayout,
+    Register,
+    StepCounters,
+    WorkerCounters,
+    WorkerLoad,
+)
 from pdserve.runtime.security import KeysError, SecureContext, Security
 from pdserve.runtime.sockets import bound_address, make_socket, recv_from, send_msg
 from tests.e2e_util import PDSERVE, ServedCluster
@@ -240,11 +247,17 @@ def test_worker_ids_are_bound_to_keys_and_numbers_are_bounded(keys: Path, tmp_pa
         send_msg(as_w2, heartbeat("d1", used=0))
         send_msg(as_w1, heartbeat("d1", used=1, queued=-(10**9)))
         send_msg(as_w1, heartbeat("d1", used=1, total=1 << 30))
+        steps = StepCounters(tpot_target_s=float("nan"))  # /metrics figures no worker sends
+        send_msg(
+            as_w1,
+            dataclasses.replace(heartbeat("d1", used=2), counters=WorkerCounters(steps=steps)),
+        )
         assert refused(
             f"refused Register of live worker d1 from key {w2_key}: it registered with key ",
             f"refused Heartbeat for worker d1 from key {w2_key}",
             "refused a heartbeat of d1: queued_prompt_tokens=-1000000000",
             "refused a heartbeat of d1: total_blocks=1073741824, registered 64",
+            "refused a heartbeat of d1: tpot_target_s=nan is outside [0, 10000]",
         )
         assert workers() == {"d1": (7, 64)}
         send_msg(as_w1, heartbeat("d1", used=3))  # its own, true figures still count

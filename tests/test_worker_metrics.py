@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.coordinator.registry import counters_problem
+from pdserve.coordinator.counter_checks import counters_problem
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS, WorkerCounters, WorkerLoad

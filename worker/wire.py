@@ -123,6 +123,8 @@ def block_bytes(engine: LLMEngine) -> int:
 
 
 def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> WorkerCounters:
+    """This worker's totals since it started (every role's heartbeat): prompt tokens, KV
+    pushed (``transfers``: a worker that pushes none has no transfer histogram) and steps."""
     t = transfers or TransferStats()
     return WorkerCounters(
         prefix_hit_tokens=engine.status.prefix_hit_tokens,
@@ -131,6 +133,7 @@ def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -
         kv_bytes_sent=t.bytes,
         transfer_seconds_sum=t.seconds_sum,
         transfer_seconds_counts=list(t.counts) if transfers is not None else [],
+        steps=engine.step_counters(),
     )
 
 
