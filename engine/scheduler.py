@@ -21,9 +21,11 @@ does not fit blocks those after it (no smaller one jumps it).
 
 Stall-free steps (``cap``: engine/step_model.py sizes it): a step carrying decodes adds only the
 prompt tokens that keep its predicted time within the TPOT target; the rest wait for the next
-step. Prompts that have gone ``age_bound_s`` without a token computed take a block's tokens a
-step past the cap between them, so none starves. With no decodes running, prompts take the whole
-budget; decodes later in the running list keep their share of it.
+step, and the step's prompt work goes shortest first (running prompts and the waiting queue's
+head, whose order stands among the waiting), so a short prompt is not held behind a long one's
+chunks. A prompt that has gone ``age_bound_s`` without a token computed goes first, with at
+least a block's tokens (past the cap if need be), so none starves. With no decodes running,
+prompts take the whole budget; decodes later in the running list keep their share of it.
 
 A reservation (engine/kv_handoff.py) is a sequence WAITING_FOR_REMOTE_KVS, kept in
 ``waiting_for_kvs`` and never scheduled: blocks that another worker's KV is written into, held
@@ -84,10 +86,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
-    # when the scheduler queued it or last computed prompt tokens of it (its clock), and
-    # whether it went the age bound without any (engine/prefill_cap.py)
+    # when the scheduler queued it or last computed prompt tokens of it (its clock: the age
+    # bound of engine/prefill_cap.py counts from it)
     progress_s: float | None = None
-    overdue: bool = False
     generator: torch.Generator | None = None
     hold_kv: bool = False  # keep blocks after finishing (prefill worker: KV still to send)
     num_prompt_tokens: int = field(init=False, default=0)
@@ -210,6 +211,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold or budget
         room = PrefillRoom(self.cap, self.running, self.clock())
+        capped = room.left is not None  # a target, and decodes running
+        deferred: list[Sequence] = []  # capped: running prompts, to go with the waiting ones
 
         # 1. running sequences, oldest first; preempt from the back when blocks run out. The
         # budget of the decodes further on is kept for them.
@@ -217,11 +220,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             decoding = seq.is_decoding
-            n = min(seq.num_uncomputed_tokens, budget - room.decodes_after(decoding), threshold)
-            n = n if decoding else room.take(seq, n)
-            if n <= 0:  # prompt work that waits for a step with room
+            if capped and not decoding:
+                deferred.append(seq)
                 i += 1
                 continue
+            n = min(seq.num_uncomputed_tokens, budget - room.decodes_after(decoding), threshold)
             while not self.blocks.allocate(seq, n):
                 victim = self.running.pop()
                 room.dropped(victim)
@@ -229,41 +232,69 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._add(batch, seq, n, decoding)
-                room.used(seq, n, decoding)
+                self._add(batch, seq, n, decoding, room)
                 budget -= n
                 i += 1
 
-        # 2. waiting sequences, in the fair queue's order, unless something was just
-        # preempted for lack of blocks
-        while self.waiting and budget > 0 and not batch.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+        # 2. prompt work: uncapped, the waiting sequences in the fair queue's order; capped,
+        # shortest first with the running prompts. Nothing waiting is admitted once something
+        # was preempted for lack of blocks.
+        waiting_open = not batch.preempted
+        deferred.sort(key=lambda s: room.order(s, s.num_uncomputed_tokens))
+        while budget > 0:
+            head = self._head() if waiting_open else None
+            first = deferred and (
+                head is None
+                or room.order(deferred[0], deferred[0].num_uncomputed_tokens)
+                <= room.order(head[0], head[1])
+            )
+            if first:
+                seq = deferred.pop(0)  # a running prompt, capped (it keeps its blocks)
+                n = room.take(seq, min(seq.num_uncomputed_tokens, budget, threshold))
+                if n > 0 and self.blocks.allocate(seq, n):
+                    self._add(batch, seq, n, False, room)
+                    budget -= n
+                continue
+            if head is None:
                 break
-            seq = self.waiting.peek()
-            hits = self.blocks.find_cached_prefix(seq) if not seq.block_table else []
-            remaining = seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size
-            decoding = seq.is_decoding
+            seq, remaining, hits = head
             n = min(remaining, budget, threshold)
-            n = n if decoding else room.take(seq, n)
+            n = n if seq.is_decoding else room.take(seq, n)
             if n <= 0 or not self.blocks.allocate(seq, n, hits):
-                break
-            if hits and seq.num_preemptions == 0:
-                seq.num_cached_tokens = len(hits) * self.blocks.block_size
-                self.prefix_hit_tokens += seq.num_cached_tokens
-            self.waiting.pop()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add(batch, seq, n, decoding)
-            room.used(seq, n, decoding)
+                waiting_open = False  # it blocks those after it
+                continue
+            self._admit(seq, hits)
+            self._add(batch, seq, n, seq.is_decoding, room)
             budget -= n
         batch.overdue_tokens = room.overdue_tokens
         return batch
 
+    def _head(self) -> tuple[Sequence, int, list[int]] | None:
+        """The next waiting sequence, its tokens left to compute and its prefix-cache hits;
+        None when nothing waits or ``max_num_seqs`` run."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        seq = self.waiting.peek()
+        hits = self.blocks.find_cached_prefix(seq) if not seq.block_table else []
+        return seq, seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size, hits
+
+    def _admit(self, seq: Sequence, hits: list[int]) -> None:
+        """The head of the queue, its blocks allocated, starts running."""
+        if hits and seq.num_preemptions == 0:
+            seq.num_cached_tokens = len(hits) * self.blocks.block_size
+            self.prefix_hit_tokens += seq.num_cached_tokens
+        self.waiting.pop()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     @staticmethod
-    def _add(batch: ScheduledBatch, seq: Sequence, n: int, decoding: bool) -> None:
+    def _add(
+        batch: ScheduledBatch, seq: Sequence, n: int, decoding: bool, room: PrefillRoom
+    ) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.decode_seqs += decoding
+        room.used(seq, n, decoding)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Remove a finished (or aborted) sequence from its queue; free its blocks unless

@@ -9,9 +9,9 @@ gateway shows it in ``/metrics``::
     pdserve_worker_steps_over_target_total{reason}    decode-carrying steps over the target
 
 An operator reads the reason off them: slow ``decode`` steps are too many streams for the
-target; slow ``mixed`` ones with many prompt tokens and reason ``age_bound`` are prompts that
-waited too long and were let through; ``misprediction`` is the step-time model (or a busy
-machine) being off.
+target; slow ``mixed`` ones with reason ``age_bound`` are prompts that went the age bound
+without a token (the target left them no room) let through a block at a time;
+``misprediction`` is the step-time model (or a busy machine) being off.
 """
 
 from __future__ import annotations

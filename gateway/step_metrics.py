@@ -57,7 +57,7 @@ class StepMetrics:
                 "pdserve_worker_steps_over_target_total",
                 "Engine steps carrying decodes that ran over the worker's TPOT target, by "
                 "reason: decodes (its decodes alone were predicted over it: too many streams), "
-                "age_bound (a prompt that had waited past the age bound was let in), "
+                "age_bound (a prompt that went the age bound without a token was let in), "
                 "misprediction (predicted within it: the step-time model was off, or the "
                 "machine busy).",
                 ["role", "worker", "reason"],

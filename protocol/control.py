@@ -30,8 +30,8 @@ STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1
 STEP_PREFILL_TOKENS_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 STEP_DECODE_SEQS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Why a step carrying decodes ran over the TPOT target: ``decodes`` (its decodes alone were
-# predicted over it: more streams than the target allows), ``age_bound`` (a prompt that had
-# waited past the age bound took tokens the target had no room for), ``misprediction`` (it
+# predicted over it: more streams than the target allows), ``age_bound`` (a prompt that went
+# the age bound without a token took tokens the target had no room for), ``misprediction`` (it
 # was predicted within the target: the step-time model was off, or the machine was busy).
 OVER_TARGET_REASONS = ("decodes", "age_bound", "misprediction")
 # The step-time model's terms (engine/step_model.py), in ``StepCounters.model``'s order

@@ -110,6 +110,27 @@ def test_the_room_is_shared_by_prompts_in_arrival_order_running_first() -> None:
     assert (tokens_of(batch, first), tokens_of(batch, second)) == (1, 28)
 
 
+def test_a_short_prompt_goes_before_a_long_one_in_a_capped_step() -> None:
+    sched, _ = scheduler()
+    decoding(sched, 4)  # room 32
+    long = prompt(sched, "long", tokens=1000)
+    assert tokens_of(played(sched), long) == 32
+    short, longer = prompt(sched, "short", tokens=10), prompt(sched, "longer", tokens=2000)
+    batch = played(sched)
+    assert [tokens_of(batch, p) for p in (short, long, longer)] == [10, 22, 0]
+    batch = played(sched)  # short decodes now: 5 decodes, room 28, long before longer
+    assert [tokens_of(batch, p) for p in (short, long, longer)] == [1, 28, 0]
+
+
+def test_without_a_cap_running_prompts_go_first_in_queue_order() -> None:
+    sched, _ = scheduler(budget=64)
+    long = prompt(sched, "long", tokens=1000)
+    assert tokens_of(played(sched), long) == 64
+    short = prompt(sched, "short", tokens=10)
+    batch = played(sched)  # no decode runs: no cap, the budget goes in the old order
+    assert (tokens_of(batch, long), tokens_of(batch, short)) == (64, 0)
+
+
 def test_a_batched_step_term_is_paid_once_past_two_rows() -> None:
     costs = StepCosts(2**-6, 2**-10, 2**-8, batched_s=2**-7)  # 8 tokens' worth
     assert costs.prefill_room(1, TARGET) == 44 - 8
@@ -120,25 +141,41 @@ def test_a_batched_step_term_is_paid_once_past_two_rows() -> None:
     assert tight.prefill_room(2, TARGET) == 0
 
 
-def test_a_prompt_without_tokens_for_the_age_bound_takes_a_block_a_step_past_the_target() -> None:
+def test_a_prompt_without_tokens_for_the_age_bound_takes_a_block_past_the_target() -> None:
     sched, clock = scheduler(age_bound_s=2.0)
-    decoding(sched, 12)  # the decodes fill the target
-    old, young = prompt(sched, "old", tokens=40), None
+    decoding(sched, 12)  # the decodes fill the target: no room
+    old = prompt(sched, "old", tokens=40)
     assert tokens_of(played(sched), old) == 0
     clock.now += 1.5
     young = prompt(sched, "young", tokens=40)
     assert tokens_of(played(sched), old) == 0
-    clock.now += 0.5  # old has waited 2 s: one block a step
+    clock.now += 0.5  # old has gone 2 s without a token: a block past the target
     batch = played(sched)
     assert (tokens_of(batch, old), tokens_of(batch, young)) == (16, 0)
     assert batch.overdue_tokens == 16 and batch.decode_seqs == 12
-    assert tokens_of(played(sched), old) == 16
-    clock.now += 1.5  # both overdue: they share the block, oldest first
+    batch = played(sched)  # old just had tokens, young has waited 0.5 s
+    assert (tokens_of(batch, old), tokens_of(batch, young), batch.overdue_tokens) == (0, 0, 0)
+    clock.now += 1.5  # young's turn (2 s), old's 1.5 s
     batch = played(sched)
-    assert (tokens_of(batch, old), tokens_of(batch, young)) == (8, 8)
-    batch = played(sched)  # old is decoding now (one more decode: still no room)
-    assert (tokens_of(batch, old), tokens_of(batch, young)) == (1, 16)
-    assert batch.overdue_tokens == 16
+    assert (tokens_of(batch, old), tokens_of(batch, young)) == (0, 16)
+    clock.now += 0.5
+    batch = played(sched)
+    assert (tokens_of(batch, old), tokens_of(batch, young)) == (16, 0)
+
+
+def test_a_prompt_without_tokens_for_the_age_bound_goes_first_within_the_room() -> None:
+    sched, clock = scheduler(age_bound_s=2.0)
+    decoding(sched, 4)  # room 32
+    short, long = prompt(sched, "short", tokens=1000), prompt(sched, "long", tokens=2000)
+    for _ in range(4):  # the shorter one takes the room; the longer waits
+        batch = played(sched)
+        assert (tokens_of(batch, short), tokens_of(batch, long)) == (32, 0)
+        clock.now += 0.5
+    batch = played(sched)  # long has gone 2 s without a token: it goes first, in the room
+    assert (tokens_of(batch, short), tokens_of(batch, long), batch.overdue_tokens) == (0, 32, 0)
+    clock.now += 0.5
+    batch = played(sched)
+    assert (tokens_of(batch, short), tokens_of(batch, long)) == (32, 0)
 
 
 def test_a_prompt_given_room_every_step_is_never_overdue() -> None:
@@ -149,7 +186,6 @@ def test_a_prompt_given_room_every_step_is_never_overdue() -> None:
         clock.now += 1.0
         batch = played(sched)
         assert tokens_of(batch, p) == 4 and batch.overdue_tokens == 0
-    assert not p.overdue
 
 
 def test_decodes_later_in_the_running_list_keep_their_share_of_the_budget() -> None:
