@@ -70,8 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-age-bound-ms",
         type=float,
         default=SchedulerConfig.prefill_age_bound_s * 1e3,
-        help="a prompt that goes this long without a token computed goes first in the next "
-        "step, with a KV block's tokens at least (past the TPOT target if need be): none starves",
+        help="prompts that go this long without a token computed (the target leaves no room) "
+        "take a KV block's tokens a step past the TPOT target: slowly, but none starves",
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")

@@ -190,7 +190,7 @@ class SchedulerConfig:
     # engine/step_model.py): None: auto (DEFAULT_TPOT_TARGET_S, or twice a lone decode step
     # here when that is longer); <= 0: no target (prompt chunks fill the budget).
     tpot_target_s: float | None = None
-    # A prompt going this long without a token computed goes first, a block at least.
+    # Prompts going this long without a token computed take a block a step past the target.
     prefill_age_bound_s: float = 2.0
 
     def __post_init__(self) -> None:

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 class PrefillCap:
     """The stall-free rule: ``room(decode_seqs)``, the most prompt tokens a step with that many
     decodes may add. A prompt that has gone ``age_bound_s`` without a token computed (since it
-    arrived, or since its last chunk) is overdue: it goes first in the step's prompt work and
-    may take up to ``overdue_tokens`` (a block, shared by the overdue ones) even where the room
-    is smaller. None starves, a step overruns the target by one block's prefill at most, and a
-    prompt that gets room every step is never overdue, however long it takes."""
+    arrived, or since its last chunk) is overdue until its prompt is done: overdue prompts
+    may take ``overdue_tokens`` more a step between them, past the room. Slow, never starved,
+    and a step's overrun stays bounded (one block's prefill); a prompt that gets room every
+    step is never overdue, however long it takes."""
 
     room: Callable[[int], int]
     age_bound_s: float = math.inf
@@ -48,9 +48,8 @@ class PrefillRoom:
         """The prompt tokens ``seq`` may compute this step, of the ``n`` the budget allows."""
         if self.left is None:
             return n
-        if self.overdue(seq):
-            return min(n, max(self.left, self._overdue_left))
-        return min(n, self.left)
+        allowed = self.left + (self._overdue_left if self._overdue(seq) else 0)
+        return min(n, allowed)
 
     def used(self, seq: Sequence, n: int, decoding: bool) -> None:
         if decoding:
@@ -68,16 +67,8 @@ class PrefillRoom:
         if seq.is_decoding:
             self._decodes_left -= 1
 
-    def overdue(self, seq: Sequence) -> bool:
-        """``seq`` has gone the age bound without a token computed (a capped step only)."""
-        if self._cap is None or self.left is None or seq.progress_s is None:
-            return False
-        return self._now - seq.progress_s >= self._cap.age_bound_s
-
-    def order(self, seq: Sequence, remaining: int) -> tuple[bool, float]:
-        """Which prompt goes first in a capped step: the overdue ones, longest without a
-        token first, then the one with the fewest ``remaining`` tokens."""
-        if self.overdue(seq):
-            assert seq.progress_s is not None
-            return (False, seq.progress_s)
-        return (True, float(remaining))
+    def _overdue(self, seq: Sequence) -> bool:
+        assert self._cap is not None
+        if not seq.overdue and seq.progress_s is not None:
+            seq.overdue = self._now - seq.progress_s >= self._cap.age_bound_s
+        return seq.overdue

@@ -23,9 +23,10 @@ Stall-free steps (``cap``: engine/step_model.py sizes it): a step carrying decod
 prompt tokens that keep its predicted time within the TPOT target; the rest wait for the next
 step, and the step's prompt work goes shortest first (running prompts and the waiting queue's
 head, whose order stands among the waiting), so a short prompt is not held behind a long one's
-chunks. A prompt that has gone ``age_bound_s`` without a token computed goes first, with at
-least a block's tokens (past the cap if need be), so none starves. With no decodes running,
-prompts take the whole budget; decodes later in the running list keep their share of it.
+chunks. A prompt that has gone ``age_bound_s`` without a token computed is overdue until its
+prompt is done: overdue prompts take a block's tokens a step past the cap between them, so none
+starves. With no decodes running, prompts take the whole budget; decodes later in the running
+list keep their share of it.
 
 A reservation (engine/kv_handoff.py) is a sequence WAITING_FOR_REMOTE_KVS, kept in
 ``waiting_for_kvs`` and never scheduled: blocks that another worker's KV is written into, held
@@ -86,9 +87,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
-    # when the scheduler queued it or last computed prompt tokens of it (its clock: the age
-    # bound of engine/prefill_cap.py counts from it)
+    # when the scheduler queued it or last computed prompt tokens of it (its clock), and
+    # whether it went the age bound without any (engine/prefill_cap.py)
     progress_s: float | None = None
+    overdue: bool = False
     generator: torch.Generator | None = None
     hold_kv: bool = False  # keep blocks after finishing (prefill worker: KV still to send)
     num_prompt_tokens: int = field(init=False, default=0)
@@ -240,15 +242,10 @@ class Scheduler:
         # shortest first with the running prompts. Nothing waiting is admitted once something
         # was preempted for lack of blocks.
         waiting_open = not batch.preempted
-        deferred.sort(key=lambda s: room.order(s, s.num_uncomputed_tokens))
+        deferred.sort(key=lambda s: s.num_uncomputed_tokens)
         while budget > 0:
             head = self._head() if waiting_open else None
-            first = deferred and (
-                head is None
-                or room.order(deferred[0], deferred[0].num_uncomputed_tokens)
-                <= room.order(head[0], head[1])
-            )
-            if first:
+            if deferred and (head is None or deferred[0].num_uncomputed_tokens <= head[1]):
                 seq = deferred.pop(0)  # a running prompt, capped (it keeps its blocks)
                 n = room.take(seq, min(seq.num_uncomputed_tokens, budget, threshold))
                 if n > 0 and self.blocks.allocate(seq, n):

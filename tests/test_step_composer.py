@@ -141,41 +141,25 @@ def test_a_batched_step_term_is_paid_once_past_two_rows() -> None:
     assert tight.prefill_room(2, TARGET) == 0
 
 
-def test_a_prompt_without_tokens_for_the_age_bound_takes_a_block_past_the_target() -> None:
+def test_a_prompt_without_tokens_for_the_age_bound_takes_a_block_a_step_past_the_target() -> None:
     sched, clock = scheduler(age_bound_s=2.0)
-    decoding(sched, 12)  # the decodes fill the target: no room
+    decoding(sched, 12)  # the decodes fill the target
     old = prompt(sched, "old", tokens=40)
     assert tokens_of(played(sched), old) == 0
     clock.now += 1.5
     young = prompt(sched, "young", tokens=40)
     assert tokens_of(played(sched), old) == 0
-    clock.now += 0.5  # old has gone 2 s without a token: a block past the target
+    clock.now += 0.5  # old has gone 2 s without a token: one block a step, to its end
     batch = played(sched)
     assert (tokens_of(batch, old), tokens_of(batch, young)) == (16, 0)
     assert batch.overdue_tokens == 16 and batch.decode_seqs == 12
-    batch = played(sched)  # old just had tokens, young has waited 0.5 s
-    assert (tokens_of(batch, old), tokens_of(batch, young), batch.overdue_tokens) == (0, 0, 0)
-    clock.now += 1.5  # young's turn (2 s), old's 1.5 s
+    assert tokens_of(played(sched), old) == 16
+    clock.now += 1.5  # both overdue: they share the block, the fewest tokens left first
     batch = played(sched)
-    assert (tokens_of(batch, old), tokens_of(batch, young)) == (0, 16)
-    clock.now += 0.5
-    batch = played(sched)
-    assert (tokens_of(batch, old), tokens_of(batch, young)) == (16, 0)
-
-
-def test_a_prompt_without_tokens_for_the_age_bound_goes_first_within_the_room() -> None:
-    sched, clock = scheduler(age_bound_s=2.0)
-    decoding(sched, 4)  # room 32
-    short, long = prompt(sched, "short", tokens=1000), prompt(sched, "long", tokens=2000)
-    for _ in range(4):  # the shorter one takes the room; the longer waits
-        batch = played(sched)
-        assert (tokens_of(batch, short), tokens_of(batch, long)) == (32, 0)
-        clock.now += 0.5
-    batch = played(sched)  # long has gone 2 s without a token: it goes first, in the room
-    assert (tokens_of(batch, short), tokens_of(batch, long), batch.overdue_tokens) == (0, 32, 0)
-    clock.now += 0.5
-    batch = played(sched)
-    assert (tokens_of(batch, short), tokens_of(batch, long)) == (32, 0)
+    assert (tokens_of(batch, old), tokens_of(batch, young)) == (8, 8)
+    batch = played(sched)  # old is decoding now (one more decode: still no room)
+    assert (tokens_of(batch, old), tokens_of(batch, young)) == (1, 16)
+    assert batch.overdue_tokens == 16
 
 
 def test_a_prompt_given_room_every_step_is_never_overdue() -> None:
@@ -186,6 +170,7 @@ def test_a_prompt_given_room_every_step_is_never_overdue() -> None:
         clock.now += 1.0
         batch = played(sched)
         assert tokens_of(batch, p) == 4 and batch.overdue_tokens == 0
+    assert not p.overdue
 
 
 def test_decodes_later_in_the_running_list_keep_their_share_of_the_budget() -> None:
