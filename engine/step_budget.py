@@ -174,14 +174,24 @@ def time_prefill(
     for i, start in enumerate(range(0, num_tokens, max_model_len)):
         n = min(max_model_len, num_tokens - start)
         seqs.append(Sequence(f"step-budget-probe-{i}", [0] * n, SamplingParams(max_tokens=1)))
+    return time_probe_step(runner, blocks, seqs, [s.num_tokens for s in seqs])
+
+
+def time_probe_step(
+    runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], chunks: list[int]
+) -> float:
+    """Seconds one step of probe ``seqs`` takes, each computing its last ``chunks[i]`` tokens
+    (the rest counted as computed): blocks taken for them and freed after, inputs prepared
+    and the device synchronised."""
     taken: list[Sequence] = []
     try:
-        for seq in seqs:
+        for seq, n in zip(seqs, chunks, strict=True):
             if not blocks.allocate(seq, seq.num_tokens):
-                raise RuntimeError(f"no KV blocks for a {num_tokens}-token step probe")
+                raise RuntimeError(f"no KV blocks for a step probe of {sum(chunks)} tokens")
+            seq.num_computed_tokens = seq.num_tokens - n
             taken.append(seq)
         start = time.perf_counter()
-        inputs = runner.prepare(seqs, [s.num_tokens for s in seqs])
+        inputs = runner.prepare(seqs, chunks)
         runner.execute(inputs)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)

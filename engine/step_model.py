@@ -33,12 +33,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Sequence
-from pdserve.engine.step_budget import time_prefill
+from pdserve.engine.step_budget import time_prefill, time_probe_step
 from pdserve.protocol.blocks import blocks_for
 from pdserve.protocol.sampling import SamplingParams
 
@@ -234,19 +232,4 @@ def time_step(
         n = min(prompt_tokens, max_model_len)
         seqs.append(Sequence("step-model-probe-prompt", [0] * n, SamplingParams(max_tokens=1)))
         chunks.append(n)
-    taken: list[Sequence] = []
-    try:
-        for seq, n in zip(seqs, chunks, strict=True):
-            if not blocks.allocate(seq, seq.num_tokens):
-                raise RuntimeError(f"no KV blocks for a step probe of {sum(chunks)} tokens")
-            seq.num_computed_tokens = seq.num_tokens - n
-            taken.append(seq)
-        start = time.perf_counter()
-        inputs = runner.prepare(seqs, chunks)
-        runner.execute(inputs)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        return time.perf_counter() - start
-    finally:
-        for seq in reversed(taken):
-            blocks.free_seq(seq)
+    return time_probe_step(runner, blocks, seqs, chunks)
