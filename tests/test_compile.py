@@ -50,6 +50,21 @@ def graphs_built() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def record_compiled_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A list that gets, per step of ``engine`` (compiled), True when the graph ran it."""
+    compiled = engine.runner.compiled
+    real = compiled.run
+    steps: list[bool] = []
+
+    def run(*args: object) -> torch.Tensor | None:
+        hidden = real(*args)
+        steps.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(compiled, "run", run)
+    return steps
+
+
 @pytest.fixture(scope="module")
 def engines(one_layer_dir: Path) -> SimpleNamespace:
     eager = LLMEngine(engine_config(one_layer_dir, compile=False))
@@ -64,17 +79,7 @@ def engines(one_layer_dir: Path) -> SimpleNamespace:
 def compiled_steps(engines: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
     """Per step of the compiled engine: True when the graph ran it, False when it ran eagerly.
     Serving never builds a graph beyond the two of the warm-up (checked after each test)."""
-    runner = engines.compiled.runner
-    real = runner.compiled.run
-    steps: list[bool] = []
-
-    def run(*args: object) -> torch.Tensor | None:
-        hidden = real(*args)
-        steps.append(hidden is not None)
-        return hidden
-
-    monkeypatch.setattr(runner.compiled, "run", run)
-    yield steps
+    yield record_compiled_steps(engines.compiled, monkeypatch)
     assert graphs_built() == engines.after, "a step recompiled"
 
 

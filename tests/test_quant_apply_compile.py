@@ -16,7 +16,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.quant.linear import QuantLinear
 from tests.engine_util import greedy, prompts
-from tests.test_compile import one_layer_dir  # noqa: F401 - the fixture, shared
+from tests.test_compile import one_layer_dir, record_compiled_steps  # noqa: F401 - fixture
 
 
 def config(path: Path, compile: bool) -> EngineConfig:
@@ -38,16 +38,7 @@ def test_compiled_decode_steps_give_the_eager_tokens(
     compiled = LLMEngine(config(one_layer_dir, compile=True))
     model = compiled.runner.model
     assert model.quantization == "int4-g32" and isinstance(model.tied_head, QuantLinear)
-    runner = compiled.runner
-    real = runner.compiled.run
-    steps: list[bool] = []
-
-    def run(*args: object) -> torch.Tensor | None:
-        hidden = real(*args)
-        steps.append(hidden is not None)
-        return hidden
-
-    monkeypatch.setattr(runner.compiled, "run", run)
+    steps = record_compiled_steps(compiled, monkeypatch)
     batch = prompts(eager.model_config.vocab_size, [5, 6, 7], seed=0)
     want = eager.generate(batch, greedy(8, logprobs=2))
     got = compiled.generate(batch, greedy(8, logprobs=2))
