@@ -16,9 +16,15 @@ TITLES = {
     "colocated-int8": "pdserve int8",
     "colocated-int4": "pdserve int4",
     "colocated-gguf": "pdserve GGUF",
+    "colocated-gguf-1w": "pdserve GGUF 1 worker",
     "disagg": "pdserve disagg fp32",
 }
-RATIOS = (("colocated-int4", "llamacpp"), ("colocated-int4", "vllm"))
+RATIOS = (
+    ("colocated-int4", "llamacpp"),
+    ("colocated-gguf", "llamacpp"),
+    ("colocated-gguf-1w", "llamacpp"),
+    ("colocated-int4", "vllm"),
+)
 # what httpx says when a server drops a connection it had accepted
 RESET_MARKERS = ("reset", "disconnected", "RemoteProtocolError", "ReadError", "ConnectError")
 

@@ -6,6 +6,7 @@
     colocated-int8  ... --quantization int8   (per-output-channel int8, from the float weights)
     colocated-int4  ... --quantization int4   (group-32 int4, from the float weights)
     colocated-gguf  ... --quantization auto   (the model directory's GGUF blocks kept: Q4_1/Q8_0)
+    colocated-gguf-1w  the GGUF arm as one worker with a thread per core (as llama.cpp runs)
     disagg          pdserve serve --quantization none (1 prefill + 1 decode worker, float32)
 
 llama.cpp and the GGUF arm serve ``<model dir>/model.gguf`` (or ``--gguf``); a model with none
@@ -33,10 +34,17 @@ PDSERVE_FLAGS = {
     "colocated-int8": ["--mode=colocated", "--quantization=int8"],
     "colocated-int4": ["--mode=colocated", "--quantization=int4"],
     "colocated-gguf": ["--mode=colocated", "--quantization=auto"],
+    "colocated-gguf-1w": [
+        "--mode=colocated",
+        "--quantization=auto",
+        "--prefill=0",
+        "--decode=1",
+        f"--threads={os.cpu_count() or 1}",
+    ],
     "disagg": ["--quantization=none"],
 }
 SERVERS = ("vllm", "llamacpp", *PDSERVE_FLAGS)
-NEEDS_GGUF = ("llamacpp", "colocated-gguf")
+NEEDS_GGUF = ("llamacpp", "colocated-gguf", "colocated-gguf-1w")
 # the form of the weights each server holds (what a decode step reads, for mbu.step_bytes)
 WEIGHTS = {
     "vllm": "none",
@@ -45,6 +53,7 @@ WEIGHTS = {
     "colocated-int8": "int8",
     "colocated-int4": "int4",
     "colocated-gguf": "gguf",
+    "colocated-gguf-1w": "gguf",
     "disagg": "none",
 }
 
