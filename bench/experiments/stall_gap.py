@@ -9,8 +9,9 @@ round runs two arms, each on its own server:
 
 Per arm and round: the streams' inter-token gaps from the prompts' arrival until both have
 their first token (at most ``--window`` s), as p50 / p99 / max, and the prompts' time to first
-token (or "over the window"). Printed and saved as medians over rounds, each round's figures
-kept (``--out``, default bench/results/stall_gap.json).
+token (or "over the window"), and the worker's steps from ``/metrics`` (steps by kind, prompt
+tokens, steps over the target by reason). Printed and saved as medians over rounds, each
+round's figures kept (``--out``, default bench/results/stall_gap.json).
 
     .venv/bin/python bench/experiments/stall_gap.py --rounds 3    # about 10 min
 """
@@ -23,12 +24,14 @@ import random
 import statistics
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from pdserve.bench.experiments.cluster import ROOT, ServeProcess
+from pdserve.bench.experiments.disagg_vs_colocated import worker_steps
 
 VOCAB = (100, 40000)  # token ids drawn for prompts: within the model's vocabulary
 
@@ -133,6 +136,9 @@ def main() -> int:
             server = ServeProcess(model_dir, flags)
             try:
                 got = one_arm(args, server.url, Path(args.model).name, seed=rnd)
+                # the worker's steps since it started: kinds, prompt tokens, over-target reasons
+                with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+                    got["steps"] = worker_steps(r.read().decode())
             finally:
                 server.stop()
             runs[arm].append(got)
