@@ -108,9 +108,12 @@ class Gateway:
         """The served model ``name`` stands for (an alias, or None for the only one)."""
         model = resolve_model(name, self.aliases, self.tokenizers)
         tokenizer = self.tokenizers.get(model)
+        models = self.backend.models()
         if tokenizer is None and model not in self.served:
+            if not models:  # starting, or a restarted coordinator relearning every worker
+                raise OpenAIError(503, "no model has workers yet: the cluster is starting")
             raise model_not_found(model)
-        info = next((s for s in self.backend.models() if s.name == model), None)
+        info = next((s for s in models if s.name == model), None)
         if tokenizer is None or info is None:
             raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
         self.served.add(model)

@@ -479,3 +479,21 @@ def test_gateway_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_before_any_worker_registers_every_model_is_503_not_404(
+    client: openai.OpenAI, backend: FakeBackend
+) -> None:
+    """A gateway that knows no worker (starting, or its coordinator relearning them all) cannot
+    tell a model that never was from one whose workers are away: a retryable 503 (as /health
+    is), and 404 again once models are known."""
+    models, backend.model_infos = backend.model_infos, []
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model="gpt-9", messages=MESSAGES)  # type: ignore[arg-type]
+        assert info.value.status_code == 503
+        assert info.value.body["message"] == "no model has workers yet: the cluster is starting"
+    finally:
+        backend.model_infos = models
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)  # type: ignore[arg-type]
