@@ -59,6 +59,11 @@ class ServeProcess:
             f"the cluster was not healthy within {ready_timeout_s:.0f} s{self._tail()}"
         )
 
+    def metrics(self) -> str:
+        """The gateway's ``/metrics`` text now (worker figures as of their last heartbeat)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
     def stop(self) -> None:
         """SIGTERM (the roles drain), then kill after 60 s; idempotent."""
         if self.proc.poll() is None:

@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,8 +152,7 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, out: Path) -> tupl
         cmd = [*pdserve_command(), "bench", f"--base-url={cluster.url}"]
         cmd += [*bench_flags(args, model), f"--save-result={out}"]
         subprocess.run(cmd, check=True)
-        with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
-            steps = worker_steps(r.read().decode())
+        steps = worker_steps(cluster.metrics())
     finally:
         cluster.stop()
     saved = json.loads(out.read_text())

@@ -24,7 +24,6 @@ import random
 import statistics
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -137,8 +136,7 @@ def main() -> int:
             try:
                 got = one_arm(args, server.url, Path(args.model).name, seed=rnd)
                 # the worker's steps since it started: kinds, prompt tokens, over-target reasons
-                with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
-                    got["steps"] = worker_steps(r.read().decode())
+                got["steps"] = worker_steps(server.metrics())
             finally:
                 server.stop()
             runs[arm].append(got)
