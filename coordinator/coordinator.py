@@ -212,6 +212,7 @@ class Coordinator:
             max_model_len=self.placement.max_model_len(req.model),
             decode_blocks=blocks,
             block_size=block_size,
+            choices=1 if req.resume_choice is not None else req.n,
         )
         if error is not None:
             shared.error_to(req, 400, error)

@@ -28,7 +28,14 @@ MAX_TPOT_TARGET_S = 1e4  # a target past this (hours a token) is no target a wor
 
 def counters_problem(c: WorkerCounters) -> str | None:
     """Why a worker's totals cannot be true, or None."""
-    totals = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
+    totals = (
+        c.prefix_hit_tokens,
+        c.prefill_tokens,
+        c.preemptions,
+        c.recomputed_tokens,
+        c.kv_blocks_sent,
+        c.kv_bytes_sent,
+    )
     if any(not 0 <= v < MAX_COUNT for v in (*totals, *c.transfer_seconds_counts)):
         return "a counter outside [0, 2**63)"
     if not 0.0 <= c.transfer_seconds_sum < float(MAX_COUNT):  # NaN fails too

@@ -60,7 +60,8 @@ class Reservations:
         need = self.blocks_for(req, choices)
         tried = tried or set()
         avoid = tried | shared.avoid()
-        worker = self.placement.pick_decode(req.model, need, avoid, req.prompt_token_ids)
+        prompt, max_tokens = req.prompt_token_ids, req.sampling.max_tokens
+        worker = self.placement.pick_decode(req.model, need, avoid, prompt, max_tokens)
         if worker is None:
             return self._queue(req, choice, choices, need, why)
         route = Route(
@@ -108,7 +109,8 @@ class Reservations:
         while queue:
             route = queue.peek()
             req = route.request
-            worker = self.placement.pick_decode(req.model, route.need, avoid, req.prompt_token_ids)
+            prompt, max_tokens = req.prompt_token_ids, req.sampling.max_tokens
+            worker = self.placement.pick_decode(req.model, route.need, avoid, prompt, max_tokens)
             if worker is None:
                 return  # in order: no later, smaller one jumps the queue
             queue.pop()
@@ -213,7 +215,8 @@ class LocalPrefill:
         if reason is None:
             return None
         need = fork_blocks(len(prompt), req.n, self.placement.block_size(req.model))
-        worker = self.placement.pick_decode(req.model, need, shared.avoid(), prompt)
+        max_tokens = req.sampling.max_tokens
+        worker = self.placement.pick_decode(req.model, need, shared.avoid(), prompt, max_tokens)
         if worker is None:
             return None
         self._run_local(req, worker.worker_id)
@@ -224,7 +227,9 @@ class LocalPrefill:
         and decodes on (no transfer)."""
         block_size = self.placement.block_size(req.model)
         need = resume_blocks(len(req.prompt_token_ids), len(req.resume_token_ids), block_size)
-        worker = self.placement.pick_decode(req.model, need, ())
+        # a stream already running: any worker whose cache can hold it takes it, and its
+        # engine makes room (preempting by policy) rather than the stream failing
+        worker = self.placement.pick_decode(req.model, need, (), room=False)
         if worker is None:
             self.shared.error_to(req, 503, "no decode worker can take over this request")
             return

@@ -21,6 +21,7 @@ from collections.abc import Collection
 
 from pdserve.coordinator.policies import HOT_SPOT_TOKENS, Candidate, PlacementPolicy, RoutingMode
 from pdserve.coordinator.registry import Worker, WorkerRegistry
+from pdserve.protocol.blocks import blocks_for
 from pdserve.protocol.prefix import cacheable_hashes
 
 
@@ -81,14 +82,20 @@ class Placement:
         need_blocks: int,
         avoid: Collection[str],
         prompt: list[int] | None = None,
+        max_tokens: int = 0,
+        room: bool = True,
     ) -> Worker | None:
-        """A decode worker with ``need_blocks`` free (none of ``avoid``), the one holding most
-        of ``prompt`` when given (``kv``); its free-block estimate drops by them, until its
-        next heartbeat or ``Reserved``."""
+        """A decode worker with ``need_blocks`` of headroom (free blocks less its sequences'
+        expected growth; none of ``avoid``), the one holding most of ``prompt`` when given
+        (``kv``); its estimates change by the reservation and the growth expected of a request
+        asking ``max_tokens``, until its next heartbeat or ``Reserved``. ``room=False``: a
+        worker whose whole cache holds ``need_blocks`` will do (its engine makes room)."""
         pool = [
             w
             for w in self.registry.serving(model)
-            if w.can_decode and w.load.free_blocks >= need_blocks and w.worker_id not in avoid
+            if w.can_decode
+            and (w.headroom if room else w.info.num_blocks) >= need_blocks
+            and w.worker_id not in avoid
         ]
         if not pool:
             return None
@@ -100,7 +107,7 @@ class Placement:
             Candidate(
                 w.worker_id,
                 hit_blocks=hits.get(w.worker_id, 0),
-                free_blocks=w.load.free_blocks,
+                free_blocks=w.headroom,
                 running=w.load.running,
             )
             for w in pool
@@ -111,8 +118,18 @@ class Placement:
         if pick.reason is not None:
             self.decode_decisions[pick.reason.value] += 1
         best = self.registry.workers[pick.worker_id]
-        best.expect(blocks=need_blocks)
+        best.expect(blocks=need_blocks, growth=self._growth(best, need_blocks, prompt, max_tokens))
         return best
+
+    @staticmethod
+    def _growth(worker: Worker, need: int, prompt: list[int] | None, max_tokens: int) -> int:
+        """Blocks a new request is expected to take on ``worker`` past the ``need`` it
+        reserves: its output as long as the worker's outputs run (none learned: 0)."""
+        expected = min(worker.load.expected_output_tokens, max_tokens)
+        if prompt is None or expected <= 0:
+            return 0
+        tokens = len(prompt) + expected
+        return max(0, blocks_for(tokens, worker.info.layout.block_size) - need)
 
     def pick_colocated(self, model: str, tokens: int) -> Worker | None:
         """A worker of a pool whose workers all run both phases: the least busy one."""

@@ -162,7 +162,10 @@ class Planning:
         decode = [w for w in live if w.info.role == "decode"]
         choices = sum(n for _, n, _ in pool.arrivals)
         prompts = [p for _, _, p in pool.arrivals]
-        outputs = [n for _, n in pool.output] or [n for _, n in pool.max_tokens]
+        # output lengths: what the gateways saw, else what the decode workers learned, else
+        # (nothing finished yet) what the requests asked
+        learned = [w.load.expected_output_tokens for w in decode if w.load.expected_output_tokens]
+        outputs = [n for _, n in pool.output] or learned or [n for _, n in pool.max_tokens]
         return Load(
             arrival_rate=choices / watched,
             prompt_tokens=_mean(prompts),
@@ -170,7 +173,8 @@ class Planning:
             prefill_queue_tokens=sum(w.load.queued_prompt_tokens for w in prefill),
             decode_running=sum(w.load.running for w in decode),
             decode_waiting=self.queued(model),
-            kv_used_blocks=sum(w.load.used_blocks for w in decode),
+            # live use plus the growth its sequences are expected to take (admission by need)
+            kv_used_blocks=sum(w.load.used_blocks + w.load.growth_blocks for w in decode),
             kv_total_blocks=sum(w.load.total_blocks for w in decode),
             ttft_p90_s=_p90(x for _, x in pool.ttft),
             tpot_p90_s=_p90(x for _, x in pool.tpot),

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from pdserve.protocol.blocks import blocks_for
+from pdserve.protocol.blocks import fork_blocks
 
 HOT_SPOT_TOKENS = 2048  # default guard: queued prompt tokens beyond the shortest queue
 DECODE_HOT_SPOT_STREAMS = 16  # decode guard: running streams beyond the least busy worker
@@ -261,20 +261,25 @@ class AdmissionPolicy:
         max_model_len: int,
         decode_blocks: int,
         block_size: int,
+        choices: int = 1,
     ) -> str | None:
         """Why a prompt of ``prompt_tokens`` plus ``max_tokens`` can never run: beyond the
-        model's context length ``max_model_len``, or the whole KV cache (``decode_blocks`` of
-        ``block_size`` tokens) of its largest decode worker; None when it fits. 0 for either
-        limit: not known (no worker said)."""
+        model's context length ``max_model_len``, or a prompt whose KV alone (with token 0's
+        slot for each of ``choices``) exceeds the whole KV cache (``decode_blocks`` of
+        ``block_size`` tokens) of its largest decode worker; None when it can. ``max_tokens``
+        books no KV: a sequence grows as it decodes, preempted and recomputed when its worker
+        runs out. 0 for either limit: not known (no worker said)."""
         tokens = prompt_tokens + max_tokens
         if max_model_len and tokens > max_model_len:
             return (
                 f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
                 f"the model's context length of {max_model_len} tokens"
             )
-        if decode_blocks and blocks_for(tokens, block_size) > decode_blocks:
+        need = fork_blocks(prompt_tokens, choices, block_size)
+        if decode_blocks and need > decode_blocks:
             return (
-                f"the prompt plus max_tokens needs {tokens} tokens of KV cache, more than the "
+                f"the prompt ({prompt_tokens} tokens, {choices} choice(s)) needs "
+                f"{need * block_size} tokens of KV cache, more than the "
                 f"{decode_blocks * block_size} the largest decode worker holds"
             )
         return None

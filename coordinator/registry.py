@@ -61,15 +61,23 @@ class Worker:
     def can_decode(self) -> bool:
         return self.info.role == "decode" or self.info.role == "both"
 
-    def expect(self, *, prompt_tokens: int = 0, blocks: int = 0) -> None:
+    def expect(self, *, prompt_tokens: int = 0, blocks: int = 0, growth: int = 0) -> None:
         """Work sent since its last heartbeat: a prefill job queues ``prompt_tokens``, a
-        reservation takes ``blocks``, until the next heartbeat gives its own figures."""
+        reservation takes ``blocks`` and is expected to grow by ``growth`` more as it decodes,
+        until the next heartbeat gives its own figures."""
         load = self.load
         self.load = dataclasses.replace(
             load,
             queued_prompt_tokens=load.queued_prompt_tokens + prompt_tokens,
             free_blocks=load.free_blocks - blocks,
+            growth_blocks=load.growth_blocks + growth,
         )
+
+    @property
+    def headroom(self) -> int:
+        """Blocks free now less those its sequences are expected to take still as they decode:
+        what a new request may count on (admission by need)."""
+        return self.load.free_blocks - self.load.growth_blocks
 
 
 @dataclass
@@ -280,7 +288,11 @@ def load_problem(load: WorkerLoad, num_blocks: int) -> str | None:
     for name, value in (("running", load.running), ("waiting", load.waiting)):
         if not 0 <= value <= MAX_REQUESTS:
             return f"{name}={value} is outside [0, {MAX_REQUESTS}]"
-    queued = load.queued_prompt_tokens
-    if not 0 <= queued <= MAX_QUEUED_TOKENS:
-        return f"queued_prompt_tokens={queued} is outside [0, {MAX_QUEUED_TOKENS}]"
+    for name, value in (
+        ("queued_prompt_tokens", load.queued_prompt_tokens),
+        ("growth_blocks", load.growth_blocks),
+        ("expected_output_tokens", load.expected_output_tokens),
+    ):
+        if not 0 <= value <= MAX_QUEUED_TOKENS:
+            return f"{name}={value} is outside [0, {MAX_QUEUED_TOKENS}]"
     return None

@@ -76,7 +76,7 @@ class DecodeWorker(Worker[DecodeRecord]):
         record = DecodeRecord.of(msg)
         key = record.key
         try:
-            self.engine.requests.check_prompt(msg.prompt_token_ids, msg.sampling)
+            self.engine.requests.check_prompt(msg.prompt_token_ids, msg.sampling, record.choices)
             # leading blocks this worker's prefix cache holds are shared, not moved again
             ids, cached = self.engine.handoff.reserve_prompt(
                 key, msg.prompt_token_ids, record.choices

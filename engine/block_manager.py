@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.config import CacheConfig, ConfigError, ModelConfig
+from pdserve.engine.kv_memory import lazily_zeroed, machine_memory, share_budget
 from pdserve.protocol.blocks import blocks_for, full_blocks
 
 # the coordinator hashes prompts the same way to route them (coordinator/kv_index.py)
@@ -222,9 +223,6 @@ class BlockManager:
                 self.free.move_to_end(block_id, last=False)
 
 
-DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the KV budget on a CPU when nothing sets one
-
-
 @dataclass
 class KVCache:
     """The KV of every block, one tensor per layer (layout in the module docstring)."""
@@ -260,17 +258,12 @@ class KVCache:
         cls, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
     ) -> int:
         """``num_blocks`` if set; else the ``kv_cache_memory`` budget; else, on CUDA, the
-        share of free memory left under ``gpu_memory_utilization``; else 256 MiB on CPU."""
+        share of free memory left under ``gpu_memory_utilization``; else, on CPU, the
+        ``cpu_memory_share`` of the machine's memory (engine/kv_memory.py)."""
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = cls.bytes_per_block(cfg, cache.block_size, dtype)
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = free - int(total * (1.0 - cache.gpu_memory_utilization))
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
+        budget = cls.budget(cache, device)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(
@@ -279,11 +272,36 @@ class KVCache:
             )
         return num_blocks
 
+    @staticmethod
+    def budget(cache: CacheConfig, device: torch.device) -> int:
+        """The bytes the cache may take when ``num_blocks`` is not set."""
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return free - int(total * (1.0 - cache.gpu_memory_utilization))
+        return share_budget(cache.cpu_memory_share)
+
+    @staticmethod
+    def sized_by(cache: CacheConfig, device: torch.device) -> str:
+        """What set the cache's size, in words (the start-up log)."""
+        if cache.num_blocks is not None:
+            return "--num-kv-blocks"
+        if cache.kv_cache_memory is not None:
+            return "--kv-cache-memory"
+        if device.type == "cuda":
+            return f"--gpu-memory-utilization {cache.gpu_memory_utilization}"
+        gib = machine_memory() / 2**30
+        return f"{cache.cpu_memory_share:.0%} of this machine's {gib:.1f} GiB (--kv-cache-share)"
+
     @classmethod
     def create(
         cls, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
         n = cls.num_blocks_for(cfg, cache, dtype, device)
         shape = (n, 2, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
-        layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        if device.type == "cpu":  # zero pages, taken as blocks are first written
+            layers = [lazily_zeroed(shape, dtype) for _ in range(cfg.num_layers)]
+        else:
+            layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         return cls(layers, cache.block_size)

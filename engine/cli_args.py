@@ -45,7 +45,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=_bytes,
         default=None,
-        help="KV cache budget, e.g. 512M or 2G (CPU default: 256M)",
+        help="KV cache budget, e.g. 512M or 2G (CPU default: --kv-cache-share of the memory)",
+    )
+    g.add_argument(
+        "--kv-cache-share",
+        type=float,
+        default=None,
+        help="on a CPU with no --kv-cache-memory: this fraction of the machine's memory "
+        "(default: 0.4 for a decode or colocated worker, 0.1 for a prefill worker; "
+        "pdserve serve splits it between the workers of a role)",
     )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -107,6 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,
+            cpu_memory_share=args.kv_cache_share or CacheConfig.cpu_memory_share,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching,
         ),

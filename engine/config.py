@@ -153,13 +153,16 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing. ``num_blocks`` wins; else a byte budget; else a GPU fraction."""
+    """Paged KV cache sizing. ``num_blocks`` wins; else a byte budget; else a GPU fraction, or
+    on a CPU a share of the machine's memory."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # on a CPU with neither set: this share of the machine's memory (engine/kv_memory.py)
+    cpu_memory_share: float = 0.40
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -168,6 +171,10 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.cpu_memory_share <= 0.9:
+            raise ConfigError(
+                f"the KV cache share of the memory must be in (0, 0.9], got {self.cpu_memory_share}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

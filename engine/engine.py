@@ -33,6 +33,7 @@ from pdserve.engine.fork import Forks
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_lengths import OutputLengths
 from pdserve.engine.requests import RequestTable
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
@@ -108,10 +109,13 @@ class LLMEngine:
         kv_cache = self.runner.kv_cache
         self.forks = Forks(self.requests, self.scheduler, self.block_manager, kv_cache)
         self.handoff = KVHandoff(self.requests, self.scheduler, self.block_manager, kv_cache)
-        self.status = EngineStatus(self.block_manager, kv_cache, self.scheduler)
+        self.status = EngineStatus(
+            self.block_manager, kv_cache, self.scheduler, self.requests.output_lengths
+        )
         self._arrivals = itertools.count()
         # tokens computed in prompt chunks (recomputation included), since start (metrics)
         self.prefill_tokens_computed = 0
+        self.recomputed_tokens = 0  # of those, tokens computed again after a preemption
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -163,6 +167,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if not (n == 1 and seq.is_decoding):
                 self.prefill_tokens_computed += n  # anything but one token's decode step
+            done = seq.num_computed_tokens
+            self.recomputed_tokens += max(0, min(done + n, seq.recompute_until) - done)
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         if inputs.sample_seqs:
@@ -236,10 +242,17 @@ class EngineStatus:
     """The engine's status part: owns nothing, reads the block manager, the KV cache and the
     scheduler's queues for workers (registration, heartbeats, KV transfers)."""
 
-    def __init__(self, blocks: BlockManager, kv_cache: KVCache, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        kv_cache: KVCache,
+        scheduler: Scheduler,
+        lengths: OutputLengths,
+    ) -> None:
         self._blocks = blocks
         self._kv_cache = kv_cache
         self._scheduler = scheduler
+        self._lengths = lengths
 
     # ---- the KV cache -----------------------------------------------------------------------
     @property
@@ -290,6 +303,29 @@ class EngineStatus:
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens served from the prefix cache (here or reserved into), since start."""
         return self._scheduler.prefix_hit_tokens
+
+    # ---- growth: admission by need ------------------------------------------------------------
+    @property
+    def growth_blocks(self) -> int:
+        """Blocks the running and waiting sequences are expected to take beyond those they
+        hold, by the output lengths seen here (engine/output_lengths.py)."""
+        sched = self._scheduler
+        return self._lengths.growth_blocks([*sched.running, *sched.waiting])
+
+    @property
+    def expected_output_tokens(self) -> int:
+        """Output tokens a new sequence is expected to produce here (0: none finished yet)."""
+        return self._lengths.expected_output()
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens one sequence may have here: the context, or the whole cache."""
+        return self._lengths.max_seq_tokens
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences whose blocks were taken back to be recomputed, since start."""
+        return self._scheduler.preemptions
 
 
 def _eos_ids(model_dir: str, cfg: ModelConfig) -> list[int]:

@@ -117,9 +117,11 @@ class ModelRunner:
             self.graphs = maybe_capture(
                 self.model, self.kv_cache.layers, self.backend, model_config, config, max_model_len
             )
+        kv_tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
         logger.info(
             "model %s (%s, %s, weights %s: %.1f MiB) on %s; KV cache %d blocks x %d tokens "
-            "(%.1f MiB), backend %s, linear %s",
+            "= %d tokens (%.1f MiB, %s: %.1f sequences of the full %d-token context), "
+            "backend %s, linear %s",
             config.model,
             model_config.architecture,
             self.dtype,
@@ -128,7 +130,11 @@ class ModelRunner:
             self.device,
             self.kv_cache.num_blocks,
             self.kv_cache.block_size,
+            kv_tokens,
             self.kv_cache.nbytes / 2**20,
+            KVCache.sized_by(config.cache, self.device),
+            kv_tokens / max_model_len,
+            max_model_len,
             self.backend.name,
             self.linear,
         )

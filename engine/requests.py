@@ -16,10 +16,11 @@ from collections.abc import Iterator, Mapping
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.grammar import GrammarCache, advance
+from pdserve.engine.output_lengths import OutputLengths
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import RequestId, Scheduler, Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.protocol.blocks import blocks_for
+from pdserve.protocol.blocks import fork_blocks
 from pdserve.protocol.messages import FinishReason
 from pdserve.protocol.sampling import SamplingParams
 
@@ -52,6 +53,10 @@ class RequestTable(Mapping[RequestId, Sequence]):
         self.live: dict[RequestId, Sequence] = {}
         self.held: dict[RequestId, Sequence] = {}
         self.due: list[Sequence] = []
+        # the most tokens one sequence may have here: the context, or the whole cache
+        cache_tokens = self.blocks.num_blocks * self.blocks.block_size
+        self.max_seq_tokens = min(max_model_len, cache_tokens)
+        self.output_lengths = OutputLengths(self.blocks.block_size, self.max_seq_tokens)
         self._grammars: GrammarCache | None = None  # built on the first constrained request
 
     # ---- the mapping: live sequences --------------------------------------------------------
@@ -74,9 +79,13 @@ class RequestTable(Mapping[RequestId, Sequence]):
             )
         return self._grammars
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """``ValueError`` for an empty prompt, tokens outside the vocabulary, or a request
-        longer than the context or than the whole KV cache."""
+    def check_prompt(
+        self, prompt_token_ids: list[int], params: SamplingParams, choices: int = 1
+    ) -> None:
+        """``ValueError`` for an empty prompt, tokens outside the vocabulary, a request longer
+        than the context, or a prompt whose KV (with token 0's slot for each of ``choices``)
+        alone exceeds the whole KV cache. ``max_tokens`` books no memory: a sequence grows as
+        it decodes (and ends at the cache's size, ``max_seq_tokens``)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -89,10 +98,13 @@ class RequestTable(Mapping[RequestId, Sequence]):
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
-        if blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
+        num_blocks, block_size = self.blocks.num_blocks, self.blocks.block_size
+        need = fork_blocks(len(prompt_token_ids), choices, block_size)
+        if need > num_blocks:
             raise ValueError(
-                f"prompt plus max_tokens needs {total} tokens of KV cache, more than the "
-                f"{self.blocks.num_blocks * self.blocks.block_size} this engine has"
+                f"the prompt ({len(prompt_token_ids)} tokens, {choices} choice(s)) needs "
+                f"{need * block_size} tokens of KV cache, more than the "
+                f"{num_blocks * block_size} this worker holds"
             )
 
     def new(
@@ -154,10 +166,12 @@ class RequestTable(Mapping[RequestId, Sequence]):
             elif not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = FinishReason.STOP
         if seq.finish_reason is None and (
-            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_tokens
         ):
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is not None:
+            if not seq.hold_kv:  # a prefill worker's token 0 says nothing of output lengths
+                self.output_lengths.finished(seq.num_output_tokens)
             self.live.pop(seq.request_id, None)
             self.scheduler.finish(seq, free=not seq.hold_kv)
             if seq.hold_kv:

@@ -17,7 +17,13 @@ preempted (blocks freed, recomputed later from its tokens). Waiting sequences ar
 while budget, ``max_num_seqs`` and blocks allow, in the fair queue's order
 (pdserve/fair_queue.py: by each one's ``share``: tier, then the tenants' weighted shares of
 prompt tokens, then priority and arrival), a preempted one first; a waiting sequence that
-does not fit blocks those after it (no smaller one jumps it).
+does not fit blocks those after it (no smaller one jumps it). Should nothing be able to run
+(the head needs blocks that waiting sequences hold: KV landed here, not yet running), those
+holders give their blocks up too, the last in ``keep_order`` first, so the cache never locks.
+
+A sequence grows one block at a time as it decodes (admission is by need: DESIGN.md); it ends
+with LENGTH when it has as many tokens as the whole cache holds (``max_seq_tokens``), since no
+preemption could make room for more.
 
 Stall-free steps (``cap``: engine/step_model.py sizes it): a step carrying decodes adds only the
 prompt tokens that keep its predicted time within the TPOT target; the rest wait for the next
@@ -40,7 +46,9 @@ enter WAITING with forked blocks (or finish there) and the prompt sequence is FI
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -87,6 +95,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    recompute_until: int = 0  # tokens computed before its last preemption (recomputed ones)
+    arrival: int | None = None  # the scheduler's count when it first queued it (``keep_order``)
     # when the scheduler queued it or last computed prompt tokens of it (its clock), and
     # whether it went the age bound without any (engine/prefill_cap.py)
     progress_s: float | None = None
@@ -131,6 +141,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -184,6 +198,8 @@ class Scheduler:
         self.cap = cap
         self.clock = clock
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, since start
+        self.preemptions = 0  # sequences preempted for blocks (and holders freed), since start
+        self._arrivals = itertools.count()
         # by share; the cost a tenant is charged is the tokens still to compute when queued
         self.waiting: FairQueue[Sequence] = FairQueue()
         self.running: list[Sequence] = []
@@ -192,6 +208,8 @@ class Scheduler:
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue ``seq``; ``front``: ahead of every waiting one (what was just running)."""
         seq.status = SequenceStatus.WAITING
+        if seq.arrival is None:
+            seq.arrival = next(self._arrivals)
         if seq.progress_s is None:
             seq.progress_s = self.clock()
         if front:
@@ -209,6 +227,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        batch = self._schedule()
+        # nothing can run: the head needs blocks waiting sequences hold; they give them up
+        while not batch and not self.running and self._free_a_holder():
+            batch = self._schedule()
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold or budget
@@ -282,7 +307,8 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_cached_tokens
         self.waiting.pop()
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        keys = [keep_order(s) for s in self.running]
+        self.running.insert(bisect.bisect_right(keys, keep_order(seq)), seq)
 
     @staticmethod
     def _add(
@@ -307,9 +333,32 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.blocks.free_seq(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
+        self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.push_front(seq)
         batch.preempted.append(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks: every token stays, its KV is computed again later (what a
+        prefix cache still holds of it is found again then)."""
+        self.blocks.free_seq(seq)
+        seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.preemptions += 1
+
+    def _free_a_holder(self) -> bool:
+        """A waiting sequence holding blocks (the last in ``keep_order``) gives them up, to be
+        recomputed; False when no waiting sequence holds any."""
+        holders = [s for s in self.waiting if s.block_table]
+        if not holders:
+            return False
+        self._drop_kv(max(holders, key=keep_order))
+        return True
+
+
+def keep_order(seq: Sequence) -> tuple[int, int, int]:
+    """The order running sequences keep their blocks in, first first: highest tier, lowest
+    priority value, oldest. A step short of blocks preempts from the end."""
+    arrival = seq.arrival if seq.arrival is not None else -1
+    return -seq.share.tier.rank, seq.share.priority, arrival

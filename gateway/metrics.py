@@ -113,6 +113,28 @@ class ClusterMetrics:
                 worker,
             )
         )
+        self.preemptions = r.add(
+            Counter(
+                "pdserve_worker_preemptions_total",
+                "Sequences whose KV blocks a step took back when the cache ran out, to be "
+                "recomputed (every token kept).",
+                worker,
+            )
+        )
+        self.recomputed = r.add(
+            Counter(
+                "pdserve_worker_recomputed_tokens_total",
+                "Tokens whose KV was computed again after a preemption (not billed).",
+                worker,
+            )
+        )
+        self.kv_growth = r.add(
+            Gauge(
+                "pdserve_kv_blocks_growth",
+                "KV blocks the worker's sequences are expected to take still as they decode.",
+                worker,
+            )
+        )
         self.kv_blocks_sent = r.add(
             Counter(
                 "pdserve_worker_kv_blocks_sent_total", "KV blocks pushed to decode workers.", worker
@@ -150,19 +172,40 @@ class ClusterMetrics:
             self.routing.inc(count, reason=reason)
 
     def set_workers(self, stats: Iterable[m.WorkerStatus]) -> None:
-        gauges = (self.kv_used, self.kv_total, self.running, self.waiting)
-        totals = (self.prefix_hits, self.prefill_computed, self.kv_blocks_sent, self.kv_bytes_sent)
+        gauges = (self.kv_used, self.kv_total, self.running, self.waiting, self.kv_growth)
+        totals = (
+            self.prefix_hits,
+            self.prefill_computed,
+            self.preemptions,
+            self.recomputed,
+            self.kv_blocks_sent,
+            self.kv_bytes_sent,
+        )
         for metric in (*gauges, *totals, self.transfer_time):
             metric.clear()
         self.steps.clear()
         for s in stats:
             labels = {"role": s.role, "worker": s.worker_id}
-            figures = (s.load.used_blocks, s.load.total_blocks, s.load.running, s.load.waiting)
+            load = s.load
+            figures = (
+                load.used_blocks,
+                load.total_blocks,
+                load.running,
+                load.waiting,
+                load.growth_blocks,
+            )
             for gauge, value in zip(gauges, figures, strict=True):
                 gauge.set(value, **labels)
             # the workers' own totals, as they last reported them
             c = s.counters
-            counts = (c.prefix_hit_tokens, c.prefill_tokens, c.kv_blocks_sent, c.kv_bytes_sent)
+            counts = (
+                c.prefix_hit_tokens,
+                c.prefill_tokens,
+                c.preemptions,
+                c.recomputed_tokens,
+                c.kv_blocks_sent,
+                c.kv_bytes_sent,
+            )
             for counter, count in zip(totals, counts, strict=True):
                 counter.inc(count, **labels)
             if c.transfer_seconds_counts:

@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from pdserve.engine.kv_memory import ROLE_SHARES
 from pdserve.launch.serve_api import served_name
 
 FORWARDED_ENGINE_FLAGS = (
@@ -73,6 +74,7 @@ def worker_command(
         value = getattr(args, flag)
         if value is not None:
             common.append(f"--{flag.replace('_', '-')}={value}")
+    common.append(f"--kv-cache-share={kv_share(args, role):.4g}")
     for switch in ("no_prefix_caching", "enforce_eager", "compile"):  # flags without a value
         if getattr(args, switch):
             common.append(f"--{switch.replace('_', '-')}")
@@ -89,3 +91,19 @@ def worker_command(
         cpus = ",".join(str((first + k) % cores) for k in range(threads))
         cmd = ["taskset", "-c", cpus, *cmd] if shutil.which("taskset") else cmd
     return cmd
+
+
+def kv_share(args: argparse.Namespace, role: str) -> float:
+    """The share of the machine's memory a worker of ``role`` may give its KV cache when no
+    budget is set (engine/kv_memory.py): ``--kv-cache-share``, else its role's share split
+    between the workers of that role serve starts (with ``--autoscale``: as many as it may)."""
+    if args.kv_cache_share is not None:
+        return float(args.kv_cache_share)
+    colocated = args.mode == "colocated"
+    if args.max_workers:
+        count = args.max_workers
+    elif colocated:
+        count = args.prefill + args.decode
+    else:
+        count = args.prefill if role == "prefill" else args.decode
+    return ROLE_SHARES["both" if colocated else role] / max(1, count)

@@ -96,6 +96,11 @@ class WorkerLoad:
     waiting: int  # requests its engine has queued
     queued_prompt_tokens: int  # prompt tokens it has still to compute
     draining: bool = False  # finishing what it has, taking nothing new (SIGTERM)
+    # admission by need (engine/output_lengths.py): blocks its sequences are expected to take
+    # still as they decode, and the output tokens a new one is expected to produce (0: none
+    # finished yet); placement counts on ``free_blocks - growth_blocks``
+    growth_blocks: int = 0
+    expected_output_tokens: int = 0
 
     @classmethod
     def idle(cls, num_blocks: int) -> WorkerLoad:
@@ -140,6 +145,8 @@ class WorkerCounters:
 
     prefix_hit_tokens: int = 0  # prompt tokens whose KV its prefix cache already held
     prefill_tokens: int = 0  # tokens it computed in prompt chunks (recomputation included)
+    preemptions: int = 0  # sequences whose blocks a step took back, to be recomputed
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
     kv_blocks_sent: int = 0  # KV blocks it pushed to decode workers
     kv_bytes_sent: int = 0
     transfer_seconds_sum: float = 0.0

@@ -192,7 +192,7 @@ def test_the_free_block_estimate_follows_every_answer() -> None:
 
 @pytest.mark.parametrize(
     ("prompt_len", "max_tokens", "what"),
-    [(60, 10, "more than the 64"), (300, 4, "context length of 256")],
+    [(64, 10, "more than the 64"), (300, 4, "context length of 256")],
 )
 def test_a_request_that_can_never_fit_is_a_400(prompt_len, max_tokens, what) -> None:
     out = Outbox()

@@ -75,8 +75,9 @@ def test_duplicate_and_invalid_requests(tiny_dir) -> None:
         engine.add_request("c", [1, 10**9], greedy(2))
     with pytest.raises(ValueError, match="context length"):
         engine.add_request("d", [1] * 10, greedy(10**6))
-    with pytest.raises(ValueError, match="KV cache"):
-        engine.add_request("e", [1] * 30, greedy(10))  # 8 blocks x 4 tokens = 32
+    with pytest.raises(ValueError, match="KV cache"):  # 8 blocks x 4 tokens = 32
+        engine.add_request("e", [1] * 32, greedy(1))  # the prompt and token 0's slot: 33
+    engine.add_request("f", [1] * 30, greedy(10))  # max_tokens books no KV: it grows
     run_all(engine)
     assert engine.block_manager.num_used_blocks == 0
 

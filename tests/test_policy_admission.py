@@ -27,13 +27,19 @@ def test_a_request_past_the_context_length_never_fits() -> None:
     assert too_big(1000, 6, max_len=0, blocks=100) is None  # no length known: not checked
 
 
-def test_a_request_past_the_largest_decode_cache_never_fits() -> None:
-    assert too_big(60, 4) is None  # 64 tokens: 4 blocks of 16
-    assert too_big(60, 5) == (
-        "the prompt plus max_tokens needs 65 tokens of KV cache, more than the 64 the largest "
-        "decode worker holds"
+def test_a_prompt_past_the_largest_decode_cache_never_fits() -> None:
+    # max_tokens books no KV (a sequence grows as it decodes): only the prompt and the slot
+    # of its token 0 must fit, 64 tokens in 4 blocks of 16
+    assert too_big(63, 150) is None
+    assert too_big(64, 4) == (
+        "the prompt (64 tokens, 1 choice(s)) needs 80 tokens of KV cache, more than the 64 the "
+        "largest decode worker holds"
     )
-    assert too_big(60, 5, blocks=0) is None  # no decode worker known: not checked
+    assert too_big(64, 5, blocks=0) is None  # no decode worker known: not checked
+    three = POLICY.too_big(
+        prompt_tokens=40, max_tokens=1, max_model_len=256, decode_blocks=4, block_size=16, choices=3
+    )
+    assert three is not None and "(40 tokens, 3 choice(s)) needs 80 tokens" in three
 
 
 def test_a_choice_waits_while_the_queue_has_room_and_a_decoder_answers() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.models.store import KNOWN_MODELS, ModelRecord
+from pdserve.protocol.messages import FinishReason
 from tests.e2e_util import PDSERVE, ServedCluster
 from tests.engine_util import greedy, hf_greedy, make_engine
 
@@ -90,6 +91,38 @@ def test_a_streamed_answer_is_real_text(disagg) -> None:
     assert len([c for c in chunks if c]) > 3  # streamed, not one blob
 
 
+def chat_without_max_tokens(cluster: ServedCluster, real_dir) -> None:
+    """The plainest SDK call there is (no ``max_tokens``: up to the context, OpenAI's meaning)
+    is served, ends at EOS, and says what a single engine says."""
+    tok = Tokenizer.from_dir(real_dir)
+    messages = [{"role": "user", "content": "What is the capital of France? One word."}]
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0)
+    out = api.chat.completions.create(model=cluster.model_name, messages=messages, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    ids = tok.encode_chat(messages)
+    engine = make_engine(real_dir, block_size=16, num_blocks=64)
+    [want] = engine.generate([ids], greedy(out.usage.completion_tokens, ignore_eos=False))
+    assert want.finish_reason is FinishReason.STOP
+    assert choice.message.content == tok.decode(want.new_token_ids)
+    assert "Paris" in choice.message.content
+    assert set(cluster.wait_blocks_free().values()) == {0.0}
+
+
+def test_a_chat_without_max_tokens_is_served_to_eos(disagg, real_dir) -> None:
+    chat_without_max_tokens(disagg, real_dir)
+
+
+def test_a_chat_without_max_tokens_prefilled_on_its_decode_worker(real_dir) -> None:
+    # conditional disaggregation: every prompt this short is prefilled where it decodes
+    c = ServedCluster(real_dir, "--mode=disagg", "--max-local-prefill-tokens=512")
+    try:
+        chat_without_max_tokens(c, real_dir)
+        assert 'pdserve_routing_decisions_total{reason="local_short_prompt"} 1' in c.metrics()
+    finally:
+        c.stop()
+
+
 async def _crowd(url: str, model: str, vocab: int, n: int, prompt_len: int, out_len: int):
     rng = random.Random(0)
     prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
@@ -124,6 +157,8 @@ def test_32_concurrent_requests_on_the_real_model_all_complete(real_dir, mode) -
         assert not failures, f"{len(failures)} of 32 failed: {failures[:3]}\n{c.output()[-3000:]}"
         assert results == [64] * 32
         assert set(c.wait_blocks_free().values()) == {0.0}
+        if mode == "colocated":
+            chat_without_max_tokens(c, real_dir)
         assert "missed its heartbeats" not in c.output()
     finally:
         log = c.stop()

@@ -19,6 +19,7 @@ import zmq
 
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_memory import ROLE_SHARES
 from pdserve.kvtransfer.base import KVReceiver, KVSender
 from pdserve.models.pull import PullError
 from pdserve.protocol.codec import Message
@@ -132,6 +133,8 @@ def _handle(msg: Message, parts: RoleParts) -> None:
 def _start_engine(args: argparse.Namespace, role: Role) -> LLMEngine:
     from pdserve.engine.cli_args import engine_config_from_args
 
+    if args.kv_cache_share is None:  # a prefill worker's cache only holds prompts
+        args.kv_cache_share = ROLE_SHARES[role]
     try:
         config: EngineConfig = engine_config_from_args(args)
         return LLMEngine(config)

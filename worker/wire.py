@@ -129,6 +129,8 @@ def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -
     return WorkerCounters(
         prefix_hit_tokens=engine.status.prefix_hit_tokens,
         prefill_tokens=engine.prefill_tokens_computed,
+        preemptions=engine.status.preemptions,
+        recomputed_tokens=engine.recomputed_tokens,
         kv_blocks_sent=t.blocks,
         kv_bytes_sent=t.bytes,
         transfer_seconds_sum=t.seconds_sum,
@@ -155,5 +157,7 @@ def heartbeat(
         waiting=status.num_waiting,
         queued_prompt_tokens=queued_prompt_tokens,
         draining=draining,
+        growth_blocks=status.growth_blocks,
+        expected_output_tokens=status.expected_output_tokens,
     )
     return Heartbeat(worker_id=worker_id, load=load, counters=worker_counters(engine, transfers))
