@@ -93,7 +93,7 @@ def gather(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy bytes of a contiguous CPU tensor (any dtype, bfloat16 included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def checksum(buffers: Sequence[Buffer]) -> bytes:

@@ -1,36 +1,41 @@
-"""The receiver half of the ``nccl`` backend's control machinery, apart from NCCL itself
-(``nccl_backend``); the sender half is in ``gpu_sender``.
+"""The receiver half of the GPU backends' control machinery, apart from the transport itself
+(a ``RecvLink``: NCCL's is ``nccl_backend.NcclRecvLink``); the sender half is in
+``gpu_sender``.
 
 It binds a ZMQ ROUTER (its ``address``) and, on its own thread, answers senders::
 
-    expect() PENDING ─Begin granted─▶ TRANSFERRING ─Done, and the backend's local work done─▶
+    expect() PENDING ─Begin granted─▶ TRANSFERRING ─Done, and the link's local work done─▶
     layer count and checksum checked ─▶ DONE | FAILED
 
 A Begin is granted only while the request is PENDING with exactly those blocks, so a sender
-never starts writing into blocks the decode worker has given up on. ``nccl_backend`` supplies
-``status``, ``_on_hello`` (the handshake) and ``_on_begin`` (post the recvs); the tests drive
-this machinery on CPU through a loopback subclass. Not run on a GPU yet.
+never starts writing into blocks the decode worker has given up on. The link supplies
+``status``, the handshake (``on_hello``, ``after_reply``) and the local work of a granted
+transfer (``on_begin``: post the recvs); the tests replace the ``_on_hello`` / ``_on_begin``
+seams to drive this machinery on CPU. Not run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
 
 from pdserve.kvtransfer import gpu_wire as w
-from pdserve.kvtransfer import table
 from pdserve.kvtransfer.base import (
+    DEFAULT_TIMEOUT_S,
     KVLayout,
     KVPoll,
     KVReceiver,
     LayoutMismatchError,
     check_layouts,
 )
+from pdserve.kvtransfer.table import Reservations, TransferTable, secret_matches
+from pdserve.kvtransfer.threads import ReceiverThread
 from pdserve.protocol.checks import ProtocolError
 from pdserve.protocol.roles import Receiver
 from pdserve.runtime.gate import RoleGate
@@ -47,13 +52,57 @@ _IDLE_POLL_MS, _BUSY_POLL_MS = 50, 1
 class Incoming:
     identity: bytes
     done: w.Done | None = None
-    event: Any = None  # torch.cuda.Event of the backend's local work (nccl: the recvs)
-    finish: Any = None  # callable run once the event completes, under the table lock
-    keep: Any = None
+    event: Any = None  # torch.cuda.Event of the link's local work (nccl: the recvs)
+    finish: Callable[[], None] | None = None  # run once the event completes, under the lock
+    keep: Any = None  # buffers alive until the event completes
 
 
-class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
+class RecvLink(Protocol):
+    """The transport's part of a GPU receiver (NCCL's: ``nccl_backend.NcclRecvLink``)."""
+
+    @property
+    def backend(self) -> str: ...
+
+    def status(self) -> tuple[bool, str]:
+        """Whether the transport can run here, and why not (``engine.platform``)."""
+        ...
+
+    def on_hello(self, identity: bytes, hello: w.Hello, session: str) -> Any:
+        """The reply to a new sender (handles, unique id, or Refused)."""
+        ...
+
+    def after_reply(self, identity: bytes, reply: Any) -> None:
+        """Runs once ``reply`` is handed to zmq (nccl: join the communicator)."""
+        ...
+
+    def on_begin(self, identity: bytes, begin: w.Begin, incoming: Incoming) -> str | None:
+        """Start the local work for a granted transfer (nccl: post the recvs); a reason to
+        decline it instead."""
+        ...
+
+
+class _NoLink:
+    """A GPU receiver given no link: unusable, unless a subclass replaces the seams."""
+
     backend = "gpu"
+
+    def status(self) -> tuple[bool, str]:
+        return False, "no transport link"
+
+    def on_hello(self, identity: bytes, hello: w.Hello, session: str) -> Any:
+        return w.Refused("this receiver has no transport link")
+
+    def after_reply(self, identity: bytes, reply: Any) -> None:
+        pass
+
+    def on_begin(self, identity: bytes, begin: w.Begin, incoming: Incoming) -> str | None:
+        return None
+
+
+class GpuKVReceiver(KVReceiver):
+    """Parts: ``link`` (the transport), ``_table`` (the transfers), ``_reservations``
+    (``expect``), ``_thread`` (the receiver thread, answering on ``_sock``), ``gate`` (which
+    keys may send), ``_digest`` (the checksum of what landed); the thread's ``_incoming``."""
 
     def __init__(
         self,
@@ -61,60 +110,82 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
         bind: str = DEFAULT_BIND,
         *,
         require_checksum: bool = False,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.SyncContext | None = None,
+        link: RecvLink | None = None,
     ) -> None:
+        self.link: RecvLink = link if link is not None else _NoLink()
         w.require(self.status(), self.backend)
         self._layout = self._check_layers(kv_layers)
-        self._init_receiver(self.backend, kv_layers, require_checksum)
+        self._layers = kv_layers
+        self.require_checksum = require_checksum
         self._device = kv_layers[0].device
-        self._gpu = w.gpu_uuid(self._device)
         self.session = secrets.token_hex(8)
         self._digest = w.DeviceChecksum()
         self._stream = self._side_stream()
+        self._table = TransferTable(f"{self.backend} receiver")
+        self._reservations = Reservations(self._table, kv_layers[0].shape[0])
+        self._thread = ReceiverThread(f"kv-{self.backend}-receiver")
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
         self.gate = RoleGate(security_of(self._ctx), Receiver.KV)  # prefill keys only
         self._incoming: dict[str, Incoming] = {}  # receiver thread only
         # control messages only; set before bind, where it applies
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind, bind=True, max_msg_bytes=1 << 20)
-        self._start_thread(self.backend, bound_address(self._sock))
+        self._address = bound_address(self._sock)
+        self._thread.start(self._run)
 
-    @staticmethod
-    def status() -> tuple[bool, str]:
-        raise NotImplementedError
+    @property
+    def backend(self) -> str:
+        return self.link.backend
 
-    def _on_hello(self, identity: bytes, hello: w.Hello) -> Any:
-        """The reply to a new sender (handles, unique id, or Refused)."""
-        raise NotImplementedError
+    def status(self) -> tuple[bool, str]:
+        return self.link.status()
 
-    def _after_reply(self, identity: bytes, reply: Any) -> None:
-        """Runs once ``reply`` is handed to zmq (nccl: join the communicator)."""
+    @property
+    def address(self) -> str:
+        return self._address
 
-    def _on_begin(self, identity: bytes, begin: w.Begin, incoming: Incoming) -> str | None:
-        """Start the backend's local work for a granted transfer (nccl: post the recvs);
-        a reason to decline it instead."""
-        return None
+    def expect(
+        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> bytes:
+        return self._reservations.expect(request_id, dst_block_ids, timeout_s)
 
-    def _check_layers(self, kv_layers: list[torch.Tensor]) -> KVLayout:
-        return w.check_device_layers(kv_layers)
+    def poll(self, request_id: str) -> KVPoll:
+        return self._table.poll(request_id)
 
-    def _side_stream(self) -> torch.cuda.Stream | None:
-        return torch.cuda.Stream(self._device)
+    def failure_reason(self, request_id: str) -> str | None:
+        return self._table.reason(request_id)
 
     def release(self, request_id: str) -> None:
         # a granted transfer lands in staging first and is scattered only while still wanted
         self._table.pop(request_id)
 
     def close(self) -> None:
-        if not self._stop_thread():
+        if not self._thread.stop():
             return
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
 
+    # ---- seams: the link's and the GPU's (the tests' CPU loopback replaces them) -------------
+    def _on_hello(self, identity: bytes, hello: w.Hello) -> Any:
+        return self.link.on_hello(identity, hello, self.session)
+
+    def _after_reply(self, identity: bytes, reply: Any) -> None:
+        self.link.after_reply(identity, reply)
+
+    def _on_begin(self, identity: bytes, begin: w.Begin, incoming: Incoming) -> str | None:
+        return self.link.on_begin(identity, begin, incoming)
+
+    def _check_layers(self, kv_layers: list[torch.Tensor]) -> KVLayout:
+        return w.check_device_layers(kv_layers)
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # untyped in torch
+
     # ---- receiver thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while self._thread.running:
             timeout = _BUSY_POLL_MS if self._incoming else _IDLE_POLL_MS
             if self._sock.poll(timeout, zmq.POLLIN):
                 parts = self._sock.recv_multipart(copy=False)
@@ -168,17 +239,18 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
             entry = self._table.get(rid)
             if entry is None or entry.state is not KVPoll.PENDING:
                 why = "not expected" if entry is None else f"already {entry.state.value}"
-            elif not table.secret_matches(entry, begin.secret):
+            elif not secret_matches(entry, begin.secret):
                 why = "came without its transfer secret"
             elif entry.block_ids != begin.dst_block_ids:
                 why = "destination blocks differ from the reserved ones"
             else:
                 incoming = Incoming(identity)
-                why = self._on_begin(identity, begin, incoming)
-                if why is None:
+                declined = self._on_begin(identity, begin, incoming)
+                if declined is None:
                     self._incoming[rid] = incoming
                     self._table.advance(rid, KVPoll.TRANSFERRING)
                     return w.BeginReply(rid, self.session, True, "")
+                why = declined
         return w.BeginReply(rid, self.session, False, f"request {rid!r} {why}")
 
     def _complete(self) -> None:
@@ -196,7 +268,9 @@ class GpuKVReceiver(table.TableBackedReceiver, KVReceiver):
                 problem = self._problem(inc.done, entry.block_ids, inc.finish)
                 self._table.advance(rid, KVPoll.FAILED if problem else KVPoll.DONE, problem)
 
-    def _problem(self, done: w.Done, block_ids: list[int], finish: Any) -> str | None:
+    def _problem(
+        self, done: w.Done, block_ids: list[int], finish: Callable[[], None] | None
+    ) -> str | None:
         if done.layers != self._layout.num_layers:
             return f"{done.layers} of {self._layout.num_layers} layers written"
         if finish is not None:

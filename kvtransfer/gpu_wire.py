@@ -89,8 +89,10 @@ def encode(msg: Any) -> bytes:
     if tag is None:
         raise ProtocolError(f"{type(msg).__name__} is not a GPU control message")
     body = dataclasses.asdict(msg)
-    check_fields(type(msg), body, type(msg).__name__, Frames([b""]))
-    return msgpack.packb({"type": tag, "v": WIRE_VERSION, **body}, use_bin_type=True)
+    # checked as decode checks it (a copy typed as any map, which check_fields reads)
+    check_fields(type(msg), dict(body.items()), type(msg).__name__, Frames([b""]))
+    frame: bytes = msgpack.packb({"type": tag, "v": WIRE_VERSION, **body}, use_bin_type=True)
+    return frame
 
 
 def decode(frame: bytes | memoryview) -> Any:

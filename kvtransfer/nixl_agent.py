@@ -16,6 +16,7 @@ cache is in; on a cluster set ``UCX_TLS`` (``rc,cuda_ipc,cuda_copy,tcp``...) and
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import secrets
@@ -39,18 +40,17 @@ UCX_TLS = {"DRAM": "sm,cma,tcp", "VRAM": "sm,cma,cuda_copy,cuda_ipc,tcp"}
 MAX_PEERS = 1024  # agents one worker keeps loaded
 
 
-def _nixl_api(mem: str) -> Any:
+def _nixl_api(mem: str) -> Any:  # Any: NIXL's Python API ships no types
     os.environ.setdefault("UCX_TLS", UCX_TLS[mem])  # read by UCX when the agent starts
-    try:
-        import nixl_cu13._api as api
-    except ImportError:
+    missing: ImportError | None = None
+    for name in ("nixl_cu13._api", "nixl._api"):
         try:
-            import nixl._api as api
+            return importlib.import_module(name)
         except ImportError as exc:
-            raise TransferError(
-                "the nixl backend needs NIXL: pip install nixl-cu13 (make test installs it)"
-            ) from exc
-    return api
+            missing = exc
+    raise TransferError(
+        "the nixl backend needs NIXL: pip install nixl-cu13 (make test installs it)"
+    ) from missing
 
 
 @dataclass
@@ -216,7 +216,7 @@ class NixlAgent:
         """(sender agent, payload) of every notification that arrived since the last call."""
         with self.lock:
             new = self._agent.get_new_notifs()
-        out = []
+        out: list[tuple[str, bytes]] = []
         for agent, payloads in new.items():
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
             out.extend((name, bytes(p)) for p in payloads)

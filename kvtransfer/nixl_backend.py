@@ -35,17 +35,18 @@ A transfer's parts leave in order (one held back by an injected delay holds back
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from pdserve.kvtransfer import common, table
+from pdserve.kvtransfer import common
 from pdserve.kvtransfer.base import KVPoll, KVSender, TransferError, TransferSpec
 from pdserve.kvtransfer.faults import FaultDice, FaultPlan
 from pdserve.kvtransfer.nixl_agent import NixlAgent
+from pdserve.kvtransfer.table import JobGate, TransferTable, gate
+from pdserve.kvtransfer.threads import SenderThread
 from pdserve.protocol.control import KVRegions
 from pdserve.protocol.messages import KVHeader, ProtocolError, decode, encode
 from pdserve.protocol.transfer import KVAck
@@ -99,9 +100,10 @@ class _Sent:
     parts: int | None = None
 
 
-class NixlKVSender(table.TableBacked, KVSender):
+class NixlKVSender(KVSender):
     """Offers blocks of the registered cache to decode workers (at once or in parts) and holds
-    them until the reader acknowledges every offer or the lease (``timeout_s``) ends."""
+    them until the reader acknowledges every offer or the lease (``timeout_s``) ends. Parts:
+    ``_nixl`` (agent, peers), ``_table``, ``_thread`` (and its offers), ``_dice`` (faults)."""
 
     sends_parts = True
 
@@ -114,14 +116,12 @@ class NixlKVSender(table.TableBacked, KVSender):
     ) -> None:
         self.checksum = checksum
         self._nixl = NixlAgent(kv_layers, "prefill")
-        self._table = table.TransferTable("nixl sender")
+        self._table = TransferTable("nixl sender")
         self._dice = FaultDice(fault) if fault is not None else None
-        self._jobs: queue.SimpleQueue[_Offer] = queue.SimpleQueue()
         self._opened: dict[str, _Opened] = {}  # transfers in parts, the last still to come
         self._sent: dict[str, _Sent] = {}  # the sender thread's: transfers offered, by id
-        self._wake, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-nixl-sender", daemon=True)
-        self._thread.start()
+        self._thread: SenderThread[_Offer] = SenderThread("kv-nixl-sender")
+        self._thread.start(self._run)
 
     @property
     def regions(self) -> KVRegions:
@@ -134,7 +134,7 @@ class NixlKVSender(table.TableBacked, KVSender):
         self.send_part(spec, kv_layers, last=True)
 
     def send_part(self, spec: TransferSpec, kv_layers: list[torch.Tensor], last: bool) -> None:
-        if self._stop.is_set():
+        if not self._thread.running:
             raise TransferError("nixl sender is closed")
         if kv_layers[0].data_ptr() != self._nixl.first_ptr:
             raise ValueError(f"transfer {spec.request_id!r}: not the registered KV cache")
@@ -147,8 +147,7 @@ class NixlKVSender(table.TableBacked, KVSender):
         offer = _Offer(spec, self._header(spec, kv_layers, part, last))
         if self._dice is not None:
             self._dice.mark(offer)
-        self._jobs.put(offer)
-        self._wake.set()
+        self._thread.put(offer)
 
     def _next_part(self, spec: TransferSpec, last: bool) -> int | None:
         """This offer's part index (part 0 opens the transfer in the table); None when the
@@ -167,9 +166,18 @@ class NixlKVSender(table.TableBacked, KVSender):
             del self._opened[rid]
         return part if self._table.extend(rid, spec.timeout_s, spec.src_block_ids) else None
 
+    def poll(self, request_id: str) -> KVPoll:
+        return self._table.poll(request_id)
+
+    def failure_reason(self, request_id: str) -> str | None:
+        return self._table.reason(request_id)
+
     def release(self, request_id: str) -> None:
         self._opened.pop(request_id, None)
         self._table.pop(request_id)
+
+    def notify(self, callback: Callable[[str, KVPoll], None] | None) -> None:
+        self._table.on_finished = callback
 
     def _header(
         self, spec: TransferSpec, kv_layers: list[torch.Tensor], part: int, last: bool
@@ -192,24 +200,18 @@ class NixlKVSender(table.TableBacked, KVSender):
         )
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
-        self._nixl.close()
+        if self._thread.stop():
+            self._nixl.close()
 
     # ---- sender thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
         waiting: list[_Offer] = []  # not offered yet: delayed, or the reader is not loaded yet
-        while not self._stop.is_set():
+        while self._thread.running:
             # polled fast while a read may end; between a transfer's parts, a part wakes it
             reading = any(len(s.read) < s.offered for s in self._sent.values())
-            self._wake.wait(BUSY_S if reading or waiting else IDLE_S)
-            self._wake.clear()
-            while not self._jobs.empty():
-                waiting.append(self._jobs.get_nowait())
+            self._thread.wait(BUSY_S if reading or waiting else IDLE_S)
+            waiting += self._thread.take()
             waiting = self._offer_in_order(waiting)
             try:
                 for agent, payload in self._nixl.notifications():
@@ -239,9 +241,9 @@ class NixlKVSender(table.TableBacked, KVSender):
     def _offer(self, job: _Offer) -> bool:
         """Notify the reader of one transfer; False to retry it later."""
         rid = job.spec.request_id
-        state = table.gate(self._table, rid, job)
-        if state is not table.JobGate.GO:
-            return state is table.JobGate.OVER
+        state = gate(self._table, rid, job)
+        if state is not JobGate.GO:
+            return state is JobGate.OVER
         agent = job.spec.address.removeprefix(ADDRESS_PREFIX)
         if self._nixl.peer(agent) is None:
             return False  # its regions have not reached us yet: wait, up to the lease

@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
-from pdserve.kvtransfer import common, table
-from pdserve.kvtransfer.base import KVPoll, KVReceiver
+from pdserve.kvtransfer import common
+from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, KVReceiver
 from pdserve.kvtransfer.nixl_agent import NixlAgent
 from pdserve.kvtransfer.nixl_backend import ADDRESS_PREFIX, BUSY_S, IDLE_S, message, single_frame
+from pdserve.kvtransfer.table import Entry, Reservations, TransferTable, secret_matches
+from pdserve.kvtransfer.threads import ReceiverThread
 from pdserve.protocol.control import KVRegions
 from pdserve.protocol.messages import KVHeader, ProtocolError
 from pdserve.protocol.transfer import KVAck
@@ -41,7 +43,7 @@ class _Stream:
     """One transfer's offers here: where the next one's blocks start, its reads in flight, and
     why it fails (set: its reads are being stopped, then it is FAILED)."""
 
-    entry: table.Entry
+    entry: Entry
     agent: str
     deadline: float
     next_part: int = 0
@@ -52,9 +54,12 @@ class _Stream:
     problem: str | None = None
 
 
-class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
+class NixlKVReceiver(KVReceiver):
     """Reads offered blocks into the blocks it expects; from the first offer on, a transfer's
-    entry is out of the table's expiry (its deadline is enforced here, reads stopped first)."""
+    entry is out of the table's expiry (its deadline is enforced here, reads stopped first).
+
+    Parts: ``_nixl`` (the agent and its peers), ``_table`` (the transfers), ``_reservations``
+    (``expect`` and the secret an offer must present), ``_thread`` (the reader thread)."""
 
     def __init__(
         self,
@@ -65,10 +70,18 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
     ) -> None:
         self._nixl = NixlAgent(kv_layers, "decode")
         self._layout = self._nixl.layout
-        self._init_receiver("nixl", kv_layers, require_checksum)
+        self._layers = kv_layers
+        self.require_checksum = require_checksum
+        self._table = TransferTable("nixl receiver")
+        self._reservations = Reservations(self._table, self._nixl.num_blocks)
         self._streams: dict[str, _Stream] = {}  # transfers offered, by request id
         self._unready: list[tuple[str, bytes]] = []  # offers from peers not loaded yet
-        self._start_thread("nixl", ADDRESS_PREFIX + self._nixl.name)
+        self._thread = ReceiverThread("kv-nixl-receiver")
+        self._thread.start(self._run)
+
+    @property
+    def address(self) -> str:
+        return ADDRESS_PREFIX + self._nixl.name
 
     @property
     def regions(self) -> KVRegions:
@@ -76,6 +89,17 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
 
     def update_peers(self, added: list[tuple[str, KVRegions]], gone: list[str]) -> None:
         self._nixl.update_peers(added, gone)
+
+    def expect(
+        self, request_id: str, dst_block_ids: list[int], timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> bytes:
+        return self._reservations.expect(request_id, dst_block_ids, timeout_s)
+
+    def poll(self, request_id: str) -> KVPoll:
+        return self._table.poll(request_id)
+
+    def failure_reason(self, request_id: str) -> str | None:
+        return self._table.reason(request_id)
 
     def release(self, request_id: str) -> None:
         with self._table.lock:
@@ -85,7 +109,7 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
             self._cancel(read)  # its blocks are about to be reused: the read must be over
 
     def close(self) -> None:
-        if not self._stop_thread():
+        if not self._thread.stop():
             return
         for stream in list(self._streams.values()):
             for read in stream.reads:
@@ -103,7 +127,7 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
     # ---- receiver thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(BUSY_S if self._busy() else IDLE_S):
+        while self._thread.idle(BUSY_S if self._busy() else IDLE_S):
             try:
                 offers = self._unready + self._nixl.notifications()
                 self._unready = []
@@ -160,7 +184,7 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
         rid, side = header.request_id, self._table.side
         stream = self._streams.get(rid)
         if stream is None:
-            entry = self._pending(rid, header.secret, "an offer")
+            entry = self._reservations.claim(rid, header.secret, "an offer")
             if entry is None:
                 return None
             if self._nixl.peer(agent) is None:  # registered after its first offer left: wait
@@ -170,7 +194,7 @@ class NixlKVReceiver(table.TableBackedReceiver, KVReceiver):
             entry.deadline = math.inf  # ours now (see the class)
             self._streams[rid] = stream
             self._table.advance(rid, KVPoll.TRANSFERRING)
-        elif agent != stream.agent or not table.secret_matches(stream.entry, header.secret):
+        elif agent != stream.agent or not secret_matches(stream.entry, header.secret):
             log.warning("%s: dropped an offer for %r without its secret", side, rid)
             return None
         elif stream.complete or stream.problem is not None:
