@@ -38,7 +38,7 @@ from pdserve.gateway.errors import (
 )
 from pdserve.gateway.metrics import Outcome
 from pdserve.gateway.run import JobRun
-from pdserve.gateway.tenancy import TENANT, Tenancy
+from pdserve.gateway.tenancy.core import TENANT, Tenancy
 
 log = logging.getLogger(__name__)
 

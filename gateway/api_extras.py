@@ -134,9 +134,9 @@ def model_card(info: m.ServedModel, name: str | None = None) -> dict[str, Any]:
     }
 
 
-def model_list(
+def model_cards(
     models: list[m.ServedModel], served: Mapping[str, Tokenizer], aliases: Mapping[str, str]
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
     """Every model with workers and a tokenizer, then each alias of one of them."""
     available = [model for model in models if model.name in served]
     data = [model_card(model) for model in available]
@@ -144,7 +144,14 @@ def model_list(
     data += [
         model_card(by_id[target], alias) for alias, target in aliases.items() if target in by_id
     ]
-    return {"object": "list", "data": data}
+    return data
+
+
+def model_list(
+    models: list[m.ServedModel], served: Mapping[str, Tokenizer], aliases: Mapping[str, str]
+) -> dict[str, Any]:
+    """``GET /v1/models``: ``model_cards`` as a list object."""
+    return {"object": "list", "data": model_cards(models, served, aliases)}
 
 
 def retrieve_model(
@@ -153,8 +160,8 @@ def retrieve_model(
     served: Mapping[str, Tokenizer],
     aliases: Mapping[str, str],
 ) -> dict[str, Any]:
-    """``GET /v1/models/{name}``; 404 ``model_not_found`` for a name ``model_list`` lacks."""
-    card = next((c for c in model_list(models, served, aliases)["data"] if c["id"] == name), None)
+    """``GET /v1/models/{name}``; 404 ``model_not_found`` for a name ``model_cards`` lacks."""
+    card = next((c for c in model_cards(models, served, aliases) if c["id"] == name), None)
     if card is None:
         raise model_not_found(name)
     return card
@@ -172,8 +179,8 @@ class TokenizeRequest(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
-    continue_final_message: bool = Field(False, json_schema_extra={"enum": [False]})
-    chat_template: str | None = Field(None, json_schema_extra={"enum": [None]})
+    continue_final_message: bool = Field(default=False, json_schema_extra={"enum": [False]})
+    chat_template: str | None = Field(default=None, json_schema_extra={"enum": [None]})
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     return_token_strs: bool | None = False

@@ -62,15 +62,15 @@ from pdserve.gateway.responses import (
     stream_events,
 )
 from pdserve.gateway.run import JobRun
-from pdserve.gateway.tenancy import OPEN, RATELIMIT_HEADERS, TENANT, Tenancy
-from pdserve.gateway.tenancy_http import (
+from pdserve.gateway.tenancy.core import OPEN, RATELIMIT_HEADERS, TENANT, Tenancy
+from pdserve.gateway.tenancy.request import (
     HoldListener,
     RateLimitHeaders,
     check_max_tokens,
     for_tenant,
     reserved_tokens,
 )
-from pdserve.gateway.tenants import Tenant
+from pdserve.gateway.tenancy.tenants import Tenant
 from pdserve.protocol import messages as m
 
 log = logging.getLogger(__name__)

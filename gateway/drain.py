@@ -29,7 +29,7 @@ from pdserve.gateway.errors import OpenAIError
 log = logging.getLogger(__name__)
 
 EXPIRE_GRACE_S = 2.0  # after expiring the stragglers, how long their responses may take
-SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait for connections once it shuts down
+SHUTDOWN_GRACE_S = 5  # uvicorn's wait for connections once it shuts down
 
 
 def shutdown_error() -> OpenAIError:

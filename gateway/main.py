@@ -27,8 +27,8 @@ from pdserve.gateway.config import GatewayConfig, add_config_args, config_from_a
 from pdserve.gateway.drain import SHUTDOWN_GRACE_S, DrainingServer
 from pdserve.gateway.http_limits import header_deadline_protocol
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.tenancy import Tenancy
-from pdserve.gateway.tenancy_args import add_tenancy_args, tenancy_from_args
+from pdserve.gateway.tenancy.args import add_tenancy_args, tenancy_from_args
+from pdserve.gateway.tenancy.core import Tenancy
 from pdserve.gateway.zmq_backend import ZmqBackend
 
 log = logging.getLogger(__name__)

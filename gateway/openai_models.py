@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from pdserve.gateway.errors import invalid_request
@@ -89,7 +90,7 @@ class StreamOptions(_Body):
 
 # Ranges as ``SamplingParams`` checks them, so the OpenAPI schema states them too.
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-Unsupported = {"maxItems": 0, "maxProperties": 0, "maxLength": 0}  # schema: only empty values
+Unsupported: JsonDict = {"maxItems": 0, "maxProperties": 0, "maxLength": 0}  # schema: empty only
 
 
 def _stop_limits(value: Any) -> Any:
@@ -110,9 +111,9 @@ def _stop_limits(value: Any) -> Any:
 
 
 # OpenAPI: the only value the server takes, so schema-driven clients and fuzzers send it.
-_OFF = {"enum": [False]}
-_UNSET = {"enum": [None]}
-_EMPTY = {"maxItems": 0}
+_OFF: JsonDict = {"enum": [False]}
+_UNSET: JsonDict = {"enum": [None]}
+_EMPTY: JsonDict = {"maxItems": 0}
 
 _REASONS = {
     "prompt_logprobs": "prompt_logprobs is not supported",
@@ -144,33 +145,36 @@ class VllmFields(_Body):
 
     # schema: 1 (or left out), which any n takes; the server takes best_of == n too
     best_of: int | None = Field(
-        None, ge=1, json_schema_extra={"enum": [1, None]}, description="accepted when equal to n"
+        default=None,
+        ge=1,
+        json_schema_extra={"enum": [1, None]},
+        description="accepted when equal to n",
     )
-    prompt_logprobs: int | None = Field(None, json_schema_extra=_UNSET)
-    use_beam_search: bool | None = Field(False, json_schema_extra=_OFF)
-    include_stop_str_in_output: bool | None = Field(False, json_schema_extra=_OFF)
-    truncate_prompt_tokens: int | None = Field(None, json_schema_extra=_UNSET)
-    allowed_token_ids: list[int] | None = Field(None, json_schema_extra=_EMPTY)
-    bad_words: list[str] | None = Field(None, json_schema_extra=_EMPTY)
-    logprob_token_ids: list[int] | None = Field(None, json_schema_extra=_EMPTY)
-    logits_processors: list[Any] | None = Field(None, json_schema_extra=_EMPTY)
+    prompt_logprobs: int | None = Field(default=None, json_schema_extra=_UNSET)
+    use_beam_search: bool | None = Field(default=False, json_schema_extra=_OFF)
+    include_stop_str_in_output: bool | None = Field(default=False, json_schema_extra=_OFF)
+    truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra=_UNSET)
+    allowed_token_ids: list[int] | None = Field(default=None, json_schema_extra=_EMPTY)
+    bad_words: list[str] | None = Field(default=None, json_schema_extra=_EMPTY)
+    logprob_token_ids: list[int] | None = Field(default=None, json_schema_extra=_EMPTY)
+    logits_processors: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY)
     # vLLM's: lower is served sooner, within the tenant's tier (pdserve.fair_queue)
-    priority: int | None = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
-    cache_salt: str | None = Field(None, json_schema_extra=_UNSET)
-    kv_transfer_params: dict[str, Any] | None = Field(None, json_schema_extra=_UNSET)
-    vllm_xargs: dict[str, Any] | None = Field(None, json_schema_extra=_UNSET)
-    return_tokens_as_token_ids: bool | None = Field(False, json_schema_extra=_OFF)
-    return_token_ids: bool | None = Field(False, json_schema_extra=_OFF)
-    prompt_embeds: str | list[str] | None = Field(None, json_schema_extra=_UNSET)
+    priority: int | None = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    cache_salt: str | None = Field(default=None, json_schema_extra=_UNSET)
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, json_schema_extra=_UNSET)
+    vllm_xargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_UNSET)
+    return_tokens_as_token_ids: bool | None = Field(default=False, json_schema_extra=_OFF)
+    return_token_ids: bool | None = Field(default=False, json_schema_extra=_OFF)
+    prompt_embeds: str | list[str] | None = Field(default=None, json_schema_extra=_UNSET)
 
 
 class VllmChatFields(_Body):
     """Chat-only extras that are refused when set."""
 
-    echo: bool | None = Field(False, json_schema_extra=_OFF)
-    continue_final_message: bool | None = Field(False, json_schema_extra=_OFF)
-    chat_template: str | None = Field(None, json_schema_extra=_UNSET)
-    documents: list[dict[str, Any]] | None = Field(None, json_schema_extra=_EMPTY)
+    echo: bool | None = Field(default=False, json_schema_extra=_OFF)
+    continue_final_message: bool | None = Field(default=False, json_schema_extra=_OFF)
+    chat_template: str | None = Field(default=None, json_schema_extra=_UNSET)
+    documents: list[dict[str, Any]] | None = Field(default=None, json_schema_extra=_EMPTY)
 
 
 class _SamplingFields(VllmFields, StructuredFields):
@@ -178,7 +182,7 @@ class _SamplingFields(VllmFields, StructuredFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: Int64 | None = None
     presence_penalty: Penalty | None = None
@@ -186,7 +190,7 @@ class _SamplingFields(VllmFields, StructuredFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=Unsupported)
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra=Unsupported)
     # vLLM extras
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -216,7 +220,7 @@ class ChatCompletionRequest(_SamplingFields, VllmChatFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM: the bos etc. on top of what the template writes
     chat_template_kwargs: dict[str, Any] | None = None
@@ -252,10 +256,10 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     add_special_tokens: bool = True
-    suffix: str | None = Field(None, json_schema_extra=Unsupported)
+    suffix: str | None = Field(default=None, json_schema_extra=Unsupported)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,7 +160,7 @@ class JobRun:
             rid = self.job.requests[prompt].request_id
             asyncio.get_running_loop().create_task(self._backend.abort(rid))
 
-    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+    async def updates(self) -> AsyncGenerator[ChoiceUpdate, None]:
         """Text deltas of every choice until all have finished. Use inside ``aclosing``."""
         queue = self._streams.queue
         self._streams.start(self._submitted)

@@ -57,7 +57,7 @@ class _Strict(BaseModel):
 class JsonSchemaFormat(_Strict):
     name: Annotated[str, Field(max_length=256)] = "response"
     description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -69,7 +69,7 @@ class ResponseFormat(_Strict):
 class StructuredOutputs(_Strict):
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
 
-    json_: dict[str, Any] | bool | Text | None = Field(None, alias="json")
+    json_: dict[str, Any] | bool | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: Annotated[list[Choice], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: Text | None = None
@@ -233,7 +233,7 @@ def _rebase_refs(schema: Any, where: str) -> Any:
         return [_rebase_refs(item, where) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}  # a JSON Schema: any JSON value under each keyword
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = where + value[1:]

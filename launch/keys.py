@@ -4,12 +4,13 @@
     pdserve keys revoke --tenants tenants.toml pdsk-…  # or the hash: sha256:…
 
 A key is ``pdsk-`` and 32 random bytes (``secrets``, URL-safe base64); the file gets its
-SHA-256 only (``gateway/tenants.py``). ``add`` refuses a tenant the file does not have: its
+SHA-256 only (``gateway/tenancy/tenants.py``). ``add`` refuses a tenant the file does not have: its
 limits are written by hand first, so no key works under limits nobody chose.
 
-The file is edited as text (``gateway/tenants_text.py``): the tenant's ``keys`` array changes,
-every other byte stays. The result must load and differ from the file only in that key; it is
-written beside the file and moved over it (``os.replace``), with the file's mode and owner.
+The file is edited as text (``gateway/tenancy/tenants_text.py``): the tenant's ``keys`` array
+changes, every other byte stays. The result must load and differ from the file only in that
+key; it is written beside the file and moved over it (``os.replace``), with the file's mode and
+owner.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.gateway.tenants import (
+from pdserve.gateway.tenancy.tenants import (
     KEY_HASH,
     Tenants,
     TenantsError,
@@ -31,7 +32,7 @@ from pdserve.gateway.tenants import (
     parse_tenants,
     read_tenants_text,
 )
-from pdserve.gateway.tenants_text import EditError, add_key_hash, remove_key_hash
+from pdserve.gateway.tenancy.tenants_text import EditError, add_key_hash, remove_key_hash
 
 KEY_PREFIX = "pdsk-"
 

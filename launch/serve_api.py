@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pdserve.gateway.chat_template import load_chat_template
 from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, list_arg, load_api_keys
-from pdserve.gateway.tenancy_args import MEMORY, add_tenancy_args, limiter_store
-from pdserve.gateway.tenants import TenantsError, load_tenants
+from pdserve.gateway.tenancy.args import MEMORY, add_tenancy_args, limiter_store
+from pdserve.gateway.tenancy.tenants import TenantsError, load_tenants
 from pdserve.gateway.tools.request import add_tool_args
 
 

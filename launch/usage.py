@@ -1,4 +1,4 @@
-"""``pdserve usage``: each tenant's totals from a usage record (``gateway/usage.py``).
+"""``pdserve usage``: each tenant's totals from a usage record (``gateway/tenancy/usage.py``).
 
     pdserve usage --usage-db usage.db --tenants tenants.toml --since 2026-11-01 [--json]
 
@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.gateway.metrics import Outcome
-from pdserve.gateway.tenants import TenantsError, load_tenants
-from pdserve.gateway.usage import EPOCH, UsageDbError, UsageStore, UsageTotals
+from pdserve.gateway.tenancy.tenants import TenantsError, load_tenants
+from pdserve.gateway.tenancy.usage import EPOCH, UsageDbError, UsageStore, UsageTotals
 
 ALL_MODELS = "*"
 TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens")

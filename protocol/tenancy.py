@@ -1,6 +1,6 @@
 """Who a request is for, as it travels: its tenant's tier and weight and the request's own
 priority (``Share``). The gateway makes it from the tenant the API key belongs to
-(gateway/tenants.py) and the request's ``priority``; the coordinator's queue and each
+(gateway/tenancy/tenants.py) and the request's ``priority``; the coordinator's queue and each
 worker's scheduler order their waiting work by it (``pdserve.fair_queue``).
 
     gateway ── Generate.share ─▶ coordinator ── Reserve.share, PrefillJob.share ─▶ workers

@@ -9,7 +9,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from pdserve.gateway import tenants
+from pdserve.gateway.tenancy import tenants
 from pdserve.protocol.messages import (
     Generate,
     PrefillJob,

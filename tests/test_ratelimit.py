@@ -1,5 +1,5 @@
-"""gateway.ratelimit over the in-memory store, with a fake clock: exact counts at the edges of
-a refill, token reservations and their give-back, concurrency, refusals (their waits, 429
+"""gateway.tenancy.ratelimit over the in-memory store, with a fake clock: exact counts at the edges
+of a refill, token reservations and their give-back, concurrency, refusals (their waits, 429
 bodies and Retry-After), the ``x-ratelimit-*`` headers, OpenAI's duration format, and many
 threads admitting at once."""
 
@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdserve.gateway.ratelimit import (
+from pdserve.gateway.tenancy.limiter_store import UNITS, Levels, LimiterStore, MemoryStore, Taken
+from pdserve.gateway.tenancy.ratelimit import (
     Bucket,
     Decision,
     LimitKind,
@@ -23,7 +24,6 @@ from pdserve.gateway.ratelimit import (
     headers,
     retry_after,
 )
-from pdserve.gateway.ratelimit_store import UNITS, Levels, LimiterStore, MemoryStore, Taken
 
 
 class FakeClock:

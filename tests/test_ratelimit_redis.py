@@ -1,4 +1,4 @@
-"""gateway.ratelimit_redis against a real ``redis-server`` on a loopback port: the store and
+"""gateway.tenancy.redis_store against a real ``redis-server`` on a loopback port: the store and
 limiter tests of ``test_ratelimit`` again over Redis (a fake clock passed to the scripts),
 the server's TIME (levels checked against the times Redis itself stored), two gateways
 sharing one budget, lapsing leases, strict URLs, and Redis dying and coming back under a
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from pdserve.gateway.ratelimit import LimitKind, Limits
-from pdserve.gateway.ratelimit_redis import FallbackStore, RedisAddress, RedisStore, parse_url
-from pdserve.gateway.ratelimit_store import UNITS, Levels, LimiterStore, MemoryStore, Taken
+from pdserve.gateway.tenancy.limiter_store import UNITS, Levels, LimiterStore, MemoryStore, Taken
+from pdserve.gateway.tenancy.ratelimit import LimitKind, Limits
+from pdserve.gateway.tenancy.redis_store import FallbackStore, RedisAddress, RedisStore, parse_url
 from tests.test_ratelimit import (  # noqa: F401  (fixtures and tests, run here over Redis)
     FakeClock,
     limiter,
@@ -42,7 +42,7 @@ from tests.test_ratelimit import (  # noqa: F401  (fixtures and tests, run here 
     test_what_comes_back_fills_the_bucket_no_higher_than_its_limit,
 )
 
-LOGGER = "pdserve.gateway.ratelimit_redis"
+LOGGER = "pdserve.gateway.tenancy.redis_store"
 
 
 class RedisServer:

@@ -19,12 +19,12 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import Outcome
-from pdserve.gateway.ratelimit import RateLimiter, format_duration
-from pdserve.gateway.ratelimit_store import MemoryStore
-from pdserve.gateway.tenancy import Tenancy
-from pdserve.gateway.tenants import TenantsFile, hash_key
-from pdserve.gateway.usage import UsageStore
-from pdserve.gateway.usage_meter import UsageMeter
+from pdserve.gateway.tenancy.core import Tenancy
+from pdserve.gateway.tenancy.limiter_store import MemoryStore
+from pdserve.gateway.tenancy.meter import UsageMeter
+from pdserve.gateway.tenancy.ratelimit import RateLimiter, format_duration
+from pdserve.gateway.tenancy.tenants import TenantsFile, hash_key
+from pdserve.gateway.tenancy.usage import UsageStore
 from pdserve.protocol.tenancy import Share, Tier
 from tests.gateway_util import MODELS, FakeBackend, Script, parse_prometheus, running_server
 

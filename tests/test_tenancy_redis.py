@@ -17,12 +17,12 @@ import pytest
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.app import create_app
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.ratelimit import RateLimiter
-from pdserve.gateway.ratelimit_redis import FallbackStore, RedisStore
-from pdserve.gateway.ratelimit_store import Limits, MemoryStore
-from pdserve.gateway.tenancy import Tenancy
-from pdserve.gateway.tenancy_args import check_reachable, limiter_store
-from pdserve.gateway.tenants import TenantsFile, hash_key
+from pdserve.gateway.tenancy.args import check_reachable, limiter_store
+from pdserve.gateway.tenancy.core import Tenancy
+from pdserve.gateway.tenancy.limiter_store import Limits, MemoryStore
+from pdserve.gateway.tenancy.ratelimit import RateLimiter
+from pdserve.gateway.tenancy.redis_store import FallbackStore, RedisStore
+from pdserve.gateway.tenancy.tenants import TenantsFile, hash_key
 from tests.gateway_util import MODELS, FakeBackend, Script, running_server
 from tests.test_ratelimit_redis import RedisServer, started
 

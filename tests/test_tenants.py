@@ -1,5 +1,6 @@
-"""The tenants file (gateway/tenants.py): every malformed file refused with its line and reason,
-lookups by key, the unlimited tenant of --api-key, and reloads that keep the old tenants."""
+"""The tenants file (gateway/tenancy/tenants.py): every malformed file refused with its line and
+reason, lookups by key, the unlimited tenant of --api-key, and reloads that keep the old
+tenants."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.gateway.tenants import (
+from pdserve.gateway.tenancy.tenants import (
     MAX_FILE_BYTES,
     MAX_KEYS_PER_TENANT,
     MAX_TENANTS,
@@ -337,7 +338,7 @@ def test_reload_swaps_a_good_file_and_keeps_the_old_on_a_bad_one(
     good = holder.tenants
 
     path.write_text(GOOD.replace("max_tokens = 4096", "max_tokens = 0"))
-    with caplog.at_level(logging.ERROR, logger="pdserve.gateway.tenants"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.gateway.tenancy.tenants"):
         error = holder.reload()
     assert error is not None and error.line == 7
     assert error.reason == f"tenant 'acme': max_tokens {LIMIT}, got 0"

@@ -1,12 +1,17 @@
-"""The edits ``pdserve keys`` makes to a tenants file's text (gateway/tenants_text.py): exact
-results for each way a keys array can be written, each of which still loads."""
+"""The edits ``pdserve keys`` makes to a tenants file's text (gateway/tenancy/tenants_text.py):
+exact results for each way a keys array can be written, each of which still loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.tenants import hash_key, parse_tenants
-from pdserve.gateway.tenants_text import EditError, add_key_hash, remove_key_hash, table_span
+from pdserve.gateway.tenancy.tenants import hash_key, parse_tenants
+from pdserve.gateway.tenancy.tenants_text import (
+    EditError,
+    add_key_hash,
+    remove_key_hash,
+    table_span,
+)
 
 A, B, C, N = (hash_key(k) for k in "abcn")
 

@@ -1,4 +1,4 @@
-"""The usage record (gateway/usage.py) and `pdserve usage` (launch/usage.py): exact totals
+"""The usage record (gateway/tenancy/usage.py) and `pdserve usage` (launch/usage.py): exact totals
 from the writer thread, close() flushing, drops on a full queue, range edges, a reader beside
 the writer (WAL), and the command's table and JSON."""
 
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from pdserve.gateway.metrics import Outcome
-from pdserve.gateway.usage import (
+from pdserve.gateway.tenancy.meter import UsageMeter
+from pdserve.gateway.tenancy.usage import (
     EPOCH,
     UsageDbError,
     UsageRecord,
     UsageStore,
     UsageTotals,
 )
-from pdserve.gateway.usage_meter import UsageMeter
 from pdserve.launch.cli import main
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)

@@ -17,13 +17,13 @@ import logging
 
 import redis
 
-from pdserve.gateway.ratelimit import RateLimiter
-from pdserve.gateway.ratelimit_redis import FallbackStore, RedisStore
-from pdserve.gateway.ratelimit_store import LimiterStore, MemoryStore
-from pdserve.gateway.tenancy import Tenancy
-from pdserve.gateway.tenants import TenantsError, TenantsFile
-from pdserve.gateway.usage import UsageDbError, UsageStore
-from pdserve.gateway.usage_meter import UsageMeter
+from pdserve.gateway.tenancy.core import Tenancy
+from pdserve.gateway.tenancy.limiter_store import LimiterStore, MemoryStore
+from pdserve.gateway.tenancy.meter import UsageMeter
+from pdserve.gateway.tenancy.ratelimit import RateLimiter
+from pdserve.gateway.tenancy.redis_store import FallbackStore, RedisStore
+from pdserve.gateway.tenancy.tenants import TenantsError, TenantsFile
+from pdserve.gateway.tenancy.usage import UsageDbError, UsageStore
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,19 @@ from typing import TypeVar
 from pdserve.gateway.errors import OpenAIError, invalid_api_key
 from pdserve.gateway.metrics import Outcome
 from pdserve.gateway.prometheus import Counter, Gauge, Registry
-from pdserve.gateway.ratelimit import Decision, RateLimiter, Reservation, error_body, headers
-from pdserve.gateway.ratelimit import retry_after as retry_after_of
-from pdserve.gateway.ratelimit_redis import FallbackStore
-from pdserve.gateway.ratelimit_store import Limits, MemoryStore
-from pdserve.gateway.tenants import UNLIMITED, Tenant, Tenants, TenantsError, TenantsFile
-from pdserve.gateway.usage import UsageRecord, UsageTotals
-from pdserve.gateway.usage_meter import UsageMeter
+from pdserve.gateway.tenancy.limiter_store import Limits, MemoryStore
+from pdserve.gateway.tenancy.meter import UsageMeter
+from pdserve.gateway.tenancy.ratelimit import (
+    Decision,
+    RateLimiter,
+    Reservation,
+    error_body,
+    headers,
+)
+from pdserve.gateway.tenancy.ratelimit import retry_after as retry_after_of
+from pdserve.gateway.tenancy.redis_store import FallbackStore
+from pdserve.gateway.tenancy.tenants import UNLIMITED, Tenant, Tenants, TenantsError, TenantsFile
+from pdserve.gateway.tenancy.usage import UsageRecord, UsageTotals
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The request path's side of metering (``UsageMeter``): ``record()`` never blocks; live totals
 per (tenant, model) for ``/metrics``; a writer thread hands batches to the usage record
-(``gateway/usage.py``: the SQLite file, its schema and queries), when there is one."""
+(``usage.py``: the SQLite file, its schema and queries), when there is one."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import time
 from datetime import datetime
 
-from pdserve.gateway.usage import UsageDbError, UsageRecord, UsageStore, UsageTotals
+from pdserve.gateway.tenancy.usage import UsageDbError, UsageRecord, UsageStore, UsageTotals
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class UsageMeter:
         self._dropped_since_log = 0
         self._thread: threading.Thread | None = None
         if store is not None:
-            self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(store,), name="usage-writer", daemon=True
+            )
             self._thread.start()
 
     def record(self, record: UsageRecord) -> bool:
@@ -106,14 +108,13 @@ class UsageMeter:
             self._queue.put_nowait(_STOP)
         self._thread.join(timeout)
 
-    def _run(self) -> None:
-        assert self.store is not None
-        conn = self.store.open_writer()
+    def _run(self, store: UsageStore) -> None:
+        conn = store.open_writer()
         try:
             while True:
                 batch = self._next_batch()
                 if batch:
-                    self._write(conn, batch)
+                    self._write(store, conn, batch)
                 elif self._closed and self._queue.empty():
                     return
         finally:
@@ -141,9 +142,9 @@ class UsageMeter:
                     deadline = time.monotonic() + self.batch_interval_s
         return batch
 
-    def _write(self, conn: sqlite3.Connection, batch: list[UsageRecord]) -> None:
+    def _write(self, store: UsageStore, conn: sqlite3.Connection, batch: list[UsageRecord]) -> None:
         try:
-            self.store.write(conn, batch)
+            store.write(conn, batch)
         except sqlite3.Error:
             log.exception("usage record: %d record(s) not written", len(batch))
             with self._lock:

@@ -5,7 +5,7 @@ This module owns the policy: what admission takes, what a request's end gives ba
 tenant's standing is told. The gateway calls ``RateLimiter.admit`` before it starts a job,
 ``charge`` as a stream runs and ``finish`` at its end, and puts ``headers(decision.usage)`` on
 the answer (a 429 takes ``error_body`` and ``retry_after`` too). The counters live in a
-``LimiterStore`` (``ratelimit_store.py``): in memory for one gateway, in Redis for several.
+``LimiterStore`` (``limiter_store.py``): in memory for one gateway, in Redis for several.
 
 Algorithm: a token bucket per (tenant, kind), kind = requests or tokens. A limit of L per
 minute is a bucket of capacity L refilled continuously at L/60 per second; a new tenant starts
@@ -14,7 +14,7 @@ time until it holds the cost. Why a bucket: it is what OpenAI's headers mean (re
 until the limit is back to its initial state; capacity returns continuously, not at a window's
 edge); a fixed window lets 2L through across an edge and a sliding log keeps state per request,
 where a bucket is two numbers and a timestamp changed by one atomic read-modify-write (one Lua
-call in Redis). Integer units make every count exact (``ratelimit_store``).
+call in Redis). Integer units make every count exact (``limiter_store``).
 
 A reservation's life: admitted (1 request and prompt_tokens + max_tokens tokens taken, one slot
 held) -> charged as it streams -> finished once, completed or aborted, giving back
@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.gateway.ratelimit_store import (
+from pdserve.gateway.tenancy.limiter_store import (
     UNITS,
     Levels,
     LimiterStore,

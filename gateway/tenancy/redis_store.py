@@ -8,7 +8,7 @@ Per tenant, two keys under one hash tag (``{tenant}``, so a cluster keeps them o
     <prefix>:{t}:flight   sorted set: reservation id -> its lease's end  expires with the last
 
 Each call is one EVALSHA of one Lua script: refill from the server's TIME, drop lapsed leases,
-act, write back. The arithmetic is ``ratelimit_store``'s, integers throughout (Lua's numbers
+act, write back. The arithmetic is ``limiter_store``'s, integers throughout (Lua's numbers
 are doubles: exact below 2**53, which ``_MAX_LIMIT`` keeps every level under).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from pdserve.gateway.ratelimit_store import (
+from pdserve.gateway.tenancy.limiter_store import (
     CONCURRENCY_RETRY_MS,
     UNITS,
     Levels,

@@ -14,8 +14,8 @@ from pdserve.gateway.jobs import Job
 from pdserve.gateway.metrics import Outcome
 from pdserve.gateway.openai_models import AnyRequest, ChatCompletionRequest
 from pdserve.gateway.run import Usage
-from pdserve.gateway.tenancy import RATELIMIT_HEADERS, TENANT, Hold, Tenancy
-from pdserve.gateway.tenants import Tenant
+from pdserve.gateway.tenancy.core import RATELIMIT_HEADERS, TENANT, Hold, Tenancy
+from pdserve.gateway.tenancy.tenants import Tenant
 from pdserve.protocol.tenancy import Share
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from pdserve.gateway.tenants_text import line_of, quoted_key, toml_error_at, top_line
+from pdserve.gateway.tenancy.tenants_text import line_of, quoted_key, toml_error_at, top_line
 from pdserve.protocol.tenancy import MAX_WEIGHT, MIN_WEIGHT, Tier
 from pdserve.protocol.tenancy import TENANT_NAME as NAME
 

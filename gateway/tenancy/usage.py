@@ -1,13 +1,13 @@
 """Metering: each finished request's tokens, per tenant and model, kept in memory for
 ``/metrics`` and in a durable usage record (an SQLite file, ``--usage-db``).
 
-Fed by the gateway's tenancy (``gateway.tenancy``) with each request's response ``usage``.
+Fed by the gateway's tenancy (``tenancy.core``) with each request's response ``usage``.
 Two parts:
 
 - ``UsageStore`` owns the SQLite file: its schema, writing a batch in one transaction, and
   reading totals over a time range (``pdserve usage``). WAL mode: a reader never blocks the
   writer and sees whole batches only.
-- ``UsageMeter`` (``usage_meter.py``) is what the request path calls: ``record()`` never
+- ``UsageMeter`` (``meter.py``) is what the request path calls: ``record()`` never
   blocks. It adds the record to the in-memory totals and puts it on a bounded queue; a writer
   thread takes batches off it (up to ``batch_records``, or what came within
   ``batch_interval_s`` of a batch's first record) and hands each to the store. A full queue

@@ -31,7 +31,8 @@ PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's tool-call token (gone when special 
 
 
 class Stage(Protocol):
-    calls: int  # tool calls emitted so far
+    @property
+    def calls(self) -> int: ...  # tool calls emitted so far
 
     def feed(self, text: str) -> Output: ...
 
@@ -129,7 +130,8 @@ class HermesStage:
 
     def feed(self, text: str) -> Output:
         self._buf += text
-        content, deltas = "", []
+        content = ""
+        deltas: list[ToolCallDelta] = []
         while True:
             if not self._inside:
                 i = self._buf.find(TOOL_CALL)
@@ -224,7 +226,8 @@ class JsonCallsStage:
         return True
 
     def _scan(self) -> Output:
-        raw, deltas = self._raw, []
+        raw = self._raw
+        deltas: list[ToolCallDelta] = []
         i = self._pos
         while i < len(raw):
             c = raw[i]
