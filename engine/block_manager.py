@@ -140,7 +140,7 @@ class BlockManager:
         seq.num_committed_blocks = num_full
 
     # ---- allocation -------------------------------------------------------------------
-    def allocate(self, seq: BlockOwner, num_new_tokens: int, hits: list[int] = ()) -> bool:
+    def allocate(self, seq: BlockOwner, num_new_tokens: int, hits: Sequence[int] = ()) -> bool:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones.
 
         ``hits`` (from ``find_cached_prefix``, only for a sequence with no blocks yet) are

@@ -104,12 +104,14 @@ class CompiledDecode:
         s, index, bias = step
         # Traced and run under no_grad: inference mode made the graph's view of the cache fail.
         # Settings are patched in around each call (~30 us), not passed as options: dynamo
-        # reads ``freezing`` itself, to keep the weights out of the graph's inputs.
+        # reads ``freezing`` itself, to keep the weights out of the graph's inputs. The ignore:
+        # torch adds ``patch`` to its config modules at run time, and declares it for the
+        # type checker in inductor's config but not in fx's.
         with (
             torch.inference_mode(False),
             torch.no_grad(),
             inductor_config.patch(INDUCTOR_SETTINGS),
-            shape_config.patch(use_duck_shape=False),
+            shape_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
         ):
             return self._graph(
                 input_ids,

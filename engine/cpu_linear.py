@@ -33,7 +33,8 @@ def onednn_status(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     layer). bf16 needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT: an AVX2-only CPU has fp32 only."""
     if dtype not in PACKABLE:
         return False, f"oneDNN packing is for {', '.join(map(str, PACKABLE))}, not {dtype}"
-    if not torch.backends.mkldnn.is_available():
+    # the ignore: torch leaves mkldnn.is_available unannotated
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False, "torch was built without oneDNN (mkldnn)"
     try:
         w, x = torch.randn(8, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype)
@@ -57,7 +58,11 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # torch.ops calls are typed Any (resolved at run time)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"

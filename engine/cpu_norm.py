@@ -13,6 +13,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,16 @@ import torch.nn.functional as F
 from pdserve.engine.native_build import find_compiler, open_library
 from pdserve.envs import pdserve_home
 
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_norm.c")
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:
+def _kernel() -> CFuncPtr | None:
     lib = open_library(SOURCE, find_compiler(), pdserve_home() / "kernels", logger, "RMSNorm")
     if lib is None:
         return None

@@ -23,10 +23,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.flashinfer_backend import (
+    FlashInferBackend,
+    GraphShape,
+    GraphState,
+    paged_kv_indices_from,
+)
+from pdserve.engine.model import Attention
 from pdserve.protocol.blocks import blocks_for
 
 if TYPE_CHECKING:
-    from pdserve.engine.attention.flashinfer_backend import GraphState
     from pdserve.engine.config import EngineConfig, ModelConfig
     from pdserve.engine.model import CausalLM
     from pdserve.engine.model_runner import StepInputs
@@ -99,6 +105,7 @@ def graphs_unusable_reason(
         return "enforce_eager is set"
     if not getattr(backend, "supports_cuda_graphs", False):
         return f"the {backend.name} attention backend cannot be captured"
+    # the ignore: duck-typed, as is supports_cuda_graphs above (flashinfer's, or a test's)
     if not backend.kernel_supports(dtype, head_dim):  # type: ignore[attr-defined]
         return f"{backend.name} has no kernel for {dtype} with head size {head_dim}"
     return None
@@ -121,14 +128,24 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         capture: bool = True,
     ) -> None:
+        if not isinstance(backend, FlashInferBackend):  # the one backend with graph wrappers
+            raise TypeError(f"CUDA graphs need the flashinfer backend, not {backend.name}")
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.sizes = sorted(sizes)
         self.block_size = kv_layers[0].shape[2]
         self.max_blocks_per_seq = max_blocks_per_seq
         self.capture = capture
         attn = model.layers[0].self_attn
+        if not isinstance(attn, Attention):
+            raise TypeError(f"expected the model's Attention layer, got {type(attn).__name__}")
         dtype = kv_layers[0].dtype
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, attn.scale)
+        self.shape: GraphShape = (
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            dtype,
+            attn.scale,
+        )
         self.group = model_config.num_heads // model_config.num_kv_heads
         self._states: dict[int, GraphState] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -144,11 +161,11 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle() if self.capture else None
         for b in reversed(self.sizes):
             pages = b * self.max_blocks_per_seq
-            state = self._states[b] = self.backend.graph_state(b, pages, self.group)  # type: ignore
+            state = self._states[b] = self.backend.graph_state(b, pages, self.group)
             if not self.capture:
                 continue
             self._prepare(state, pad_decode([], [], self.block_size, b), b)  # all padding
-            side = torch.cuda.Stream()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up outside capture (kernel selection, JIT)
@@ -188,8 +205,6 @@ class CudaGraphRunner:
 
     def _prepare(self, state: GraphState, padded: PaddedDecode, b: int) -> None:
         """Fill the padding rows of the static inputs and plan the bucket's wrapper."""
-        from pdserve.engine.attention.flashinfer_backend import paged_kv_indices_from
-
         n = padded.num_real
         self.input_ids[n:b].zero_()
         self.positions[n:b].zero_()
@@ -199,10 +214,13 @@ class CudaGraphRunner:
         indices = paged_kv_indices_from(
             [1] * b, padded.seq_lens, padded.block_tables, self.block_size
         )
-        self.backend.plan_graph(state, indices, self.shape, self.block_size)  # type: ignore
+        self.backend.plan_graph(state, indices, self.shape, self.block_size)
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.kv_layers, self.backend)
+        hidden: torch.Tensor = self.model(
+            self.input_ids[:b], self.positions[:b], self.kv_layers, self.backend
+        )
+        return hidden
 
 
 def maybe_capture(

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pdserve.protocol.messages import StructuredSpec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in llguidance's stub only, not at run time
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar larger than this is refused
 MAX_CHOICES = 256
@@ -28,7 +31,7 @@ KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "gram
 
 # JSON without free whitespace: a model (a random one above all) cannot fill its budget with
 # blanks. The separators are json.dumps' defaults, what models are used to writing.
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -67,7 +70,11 @@ def _json_grammar(schema_text: str) -> str:
     if not isinstance(schema, dict | bool):
         raise ValueError("the JSON schema must be an object")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        # the ignore: llguidance's stub omits the boolean schemas (true / false) it takes
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema,  # type: ignore[arg-type]
+            defaults=JSON_OPTIONS,
+        )
     except ValueError as e:
         raise ValueError(f"invalid JSON schema: {e}") from e
 

@@ -8,7 +8,6 @@ import functools
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -33,7 +32,7 @@ def read_chat_templates(path: Path, value: str | list[dict[str, str]] | None) ->
 
 
 def _tojson(
-    x: Any,
+    x: object,
     ensure_ascii: bool = False,
     indent: int | None = None,
     separators: tuple[str, str] | None = None,
@@ -56,7 +55,8 @@ def _strftime_now(fmt: str) -> str:
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker) renders its body."""
 
-    tags = frozenset({"generation"})
+    # jinja annotates ``tags`` as a set but only reads it; frozen, the class attribute stays fixed
+    tags = frozenset({"generation"})  # type: ignore[assignment]
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

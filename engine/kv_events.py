@@ -99,14 +99,23 @@ class KVEventPublisher:
             for i in range(parts)
         ]
 
-    def _message(self, stored: list[int], evicted: list[int], **snapshot: object) -> KVEvents:
+    def _message(
+        self,
+        stored: list[int],
+        evicted: list[int],
+        snapshot: bool = False,
+        part: int = 0,
+        parts: int = 1,
+    ) -> KVEvents:
         msg = KVEvents(
             worker_id=self.worker_id,
             epoch=self.epoch,
             seq=self.seq,
             stored=stored,
             evicted=evicted,
-            **snapshot,
+            snapshot=snapshot,
+            part=part,
+            parts=parts,
         )
         self.seq += 1
         return msg

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat, ragged token batch.
 
 Shapes: T = tokens in the step, H/KV = query/key-value heads, D = head_dim, E = hidden size.
-Q/K/V and gate/up projections are fused at load time (one matmul each).
+Q/K/V and gate/up projections are fused at load time (one matmul each). A module's call is
+typed Any by torch (``nn.Module.__call__``): its result is given its type where it is returned.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Attention(nn.Module):
         if not backend.strided_inputs:
             q, k = q.contiguous(), k.contiguous()
         out = backend.forward(q, k, v, kv_cache, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(t, -1))
+        projected: torch.Tensor = self.o_proj(out.reshape(t, -1))  # [T, E]
+        return projected
 
 
 class MLP(nn.Module):
@@ -82,7 +84,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -106,7 +109,8 @@ class DecoderLayer(nn.Module):
         x is this step's own tensor (the embedding lookup's output): residuals add in place;
         ``pending`` is the previous layer's MLP output (None for the first layer)."""
         attn = self.self_attn(self.input_layernorm(x, pending), rope, kv_cache, backend)
-        return self.mlp(self.post_attention_layernorm(x, attn))
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(x, attn))
+        return out
 
 
 class CausalLM(nn.Module):
@@ -148,15 +152,18 @@ class CausalLM(nn.Module):
         pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             pending = layer(x, rope, kv_cache, backend, pending)
-        return self.norm(x, pending)
+        hidden: torch.Tensor = self.norm(x, pending)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, V] float32
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_head is not None:
-            return self.tied_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits: torch.Tensor = self.lm_head(hidden)
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Errors name tensors."""

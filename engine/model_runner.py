@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,10 @@ from pdserve.engine.block_manager import KVCache
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_model
 from pdserve.engine.scheduler import Sequence
+
+if TYPE_CHECKING:  # both imported when used: --compile and CUDA only
+    from pdserve.engine.compile import CompiledDecode
+    from pdserve.engine.cuda_graphs import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +112,12 @@ class ModelRunner:
         self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
         self.backend = make_backend(config.attention_backend, self.device)
         self.buffers = StepBuffers(self.device)
-        self.compiled = None  # CPU, --compile: decode steps through torch.compile
+        # CPU, --compile: decode steps through torch.compile
+        self.compiled: CompiledDecode | None = None
         if config.compile:
             self._compile_decode()
-        self.graphs = None  # CUDA only: captured decode steps (engine/cuda_graphs.py)
+        # CUDA only: captured decode steps (engine/cuda_graphs.py)
+        self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda":
             from pdserve.engine.cuda_graphs import maybe_capture
 
@@ -162,7 +169,7 @@ class ModelRunner:
         every larger batch (dynamic shapes). The dummy steps write block 0, free at start."""
         from pdserve.engine.compile import CompiledDecode
 
-        self.compiled = CompiledDecode(self.model, self.kv_cache.layers)
+        compiled = self.compiled = CompiledDecode(self.model, self.kv_cache.layers)
         start = time.perf_counter()
         for batch in (1, 2):
             ids, pos, slots, _ = self.buffers.load([0] * batch, [0] * batch, [0] * batch, [])
@@ -171,7 +178,7 @@ class ModelRunner:
                 self.backend.plan(
                     AttentionMetadata(slots, [1] * batch, [1] * batch, [[0]] * batch, bs)
                 )
-                if self.compiled.run(ids, pos, self.backend) is None:
+                if compiled.run(ids, pos, self.backend) is None:
                     raise RuntimeError(f"{self.backend.name} backend gave no step to compile")
         seconds = time.perf_counter() - start
         logger.info("torch.compile: decode graphs (batch 1, batch 2+) built in %.0f s", seconds)
@@ -212,14 +219,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model over the step's tokens; logits [len(sample_seqs), V] float32."""
+        hidden: torch.Tensor | None = None
         if self.graphs is not None and self.graphs.can_run(inputs.metadata):
             hidden = self.graphs.run(inputs)
         else:
             self.backend.plan(inputs.metadata)
-            hidden = None
             if self.compiled is not None:
                 hidden = self.compiled.run(inputs.input_ids, inputs.positions, self.backend)
-            if hidden is None:
-                layers = self.kv_cache.layers
-                hidden = self.model(inputs.input_ids, inputs.positions, layers, self.backend)
+        if hidden is None:
+            layers = self.kv_cache.layers
+            eager: torch.Tensor = self.model(
+                inputs.input_ids, inputs.positions, layers, self.backend
+            )
+            hidden = eager
         return self.model.compute_logits(hidden[inputs.logits_index])

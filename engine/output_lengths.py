@@ -1,6 +1,6 @@
 """How long outputs run here, learned from the sequences that finished: the estimate of growth
 that admission by need reads (a decode worker reserves a prompt's blocks, not ``max_tokens``'s,
-and its sequences grow as they decode; DESIGN.md "KV by need, not by promise").
+and its sequences grow as they decode; README "KV by need").
 
 A running sequence that has ``o`` output tokens and may have ``M`` is expected to produce
 

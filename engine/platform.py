@@ -90,6 +90,7 @@ def nixl_gpu_status() -> Status:
     return True, f"nixl-cu13 {version}"
 
 
+# Any: an optional package, untyped here, whose functions the callers call by name
 def _cuda_module(name: str) -> tuple[Any, list[str]]:
     """Module ``name`` (None if it does not import) and what stands in its way so far: no
     CUDA, no module. Both are reported together, so one message names every missing piece."""

@@ -44,6 +44,9 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Holds cos and signed sin (float32) for every position below ``max_positions``."""
 
+    cos: torch.Tensor  # [max_positions, head_dim], a buffer
+    sin_signed: torch.Tensor  # [max_positions, head_dim], a buffer
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)

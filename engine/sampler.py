@@ -141,7 +141,7 @@ class PenaltyState:
 
     @classmethod
     def of(cls, seq: Sequence, vocab: int, device: torch.device) -> PenaltyState:
-        state = seq.penalty
+        state: PenaltyState | None = seq.penalty
         if state is None or state.counts.shape[0] != vocab:
             seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             seen[torch.tensor(seq.prompt_token_ids, dtype=torch.long, device=device)] = True
@@ -160,14 +160,15 @@ def apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
     The matchers write one bit per token into a [R, ceil(V/32)] int32 mask; numpy unpacks it
     to [R, V] at once (a shift per bit in torch costs 10x more at 32 rows of 49k)."""
-    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    if not rows:
+    constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+    if not constrained:
         return
+    rows = [i for i, _ in constrained]
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32
     mask = np.empty((len(rows), words), dtype=np.int32)  # [R, W]
-    for j, i in enumerate(rows):
-        seqs[i].matcher.unsafe_compute_mask_ptr(mask[j].ctypes.data, words * 4)
+    for j, (_, matcher) in enumerate(constrained):
+        matcher.unsafe_compute_mask_ptr(mask[j].ctypes.data, words * 4)
     allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     forbidden = torch.from_numpy(allowed).to(logits.device) == 0  # [R, V]
     if len(rows) == len(seqs):

@@ -21,9 +21,9 @@ does not fit blocks those after it (no smaller one jumps it). Should nothing be 
 (the head needs blocks that waiting sequences hold: KV landed here, not yet running), those
 holders give their blocks up too, the last in ``keep_order`` first, so the cache never locks.
 
-A sequence grows one block at a time as it decodes (admission is by need: DESIGN.md); it ends
-with LENGTH when it has as many tokens as the whole cache holds (``max_seq_tokens``), since no
-preemption could make room for more.
+A sequence grows one block at a time as it decodes (admission is by need: README "KV by
+need"); it ends with LENGTH when it has as many tokens as the whole cache holds
+(``max_seq_tokens``), since no preemption could make room for more.
 
 Stall-free steps (``cap``: engine/step_model.py sizes it): a step carrying decodes adds only the
 prompt tokens that keep its predicted time within the TPOT target; the rest wait for the next
@@ -54,6 +54,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance
 import torch
 
 from pdserve.engine.block_manager import BlockManager
@@ -106,10 +107,12 @@ class Sequence:
     num_prompt_tokens: int = field(init=False, default=0)
     # Tokens handed out by earlier step() outputs (so each output carries only new ones).
     num_returned_tokens: int = 0
-    # Sampler state for penalties, kept across steps (engine/sampler.py PenaltyState).
+    # Sampler state for penalties, kept across steps: a PenaltyState | None. Any, as
+    # engine/sampler.py (which defines it) imports this module, and get_type_hints(Sequence)
+    # must resolve every field
     penalty: Any = None
     # llguidance matcher of a constrained request (engine/grammar.py), advanced per token
-    matcher: Any = None
+    matcher: llguidance.LLMatcher | None = None
     # n choices of one prompt (engine/fork.py): on the prompt's sequence, its choices until
     # their token 0 is drawn; on each such choice, that prompt's sequence
     choices: list[Sequence] | None = field(default=None, repr=False, compare=False)

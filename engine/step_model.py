@@ -122,7 +122,7 @@ def fit(points: Iterable[tuple[Point, float]]) -> StepCosts:
 
 
 def _solve_normal(
-    rows: list[tuple[tuple[float, ...], float, float]], active: list[int]
+    rows: Iterable[tuple[tuple[float, ...], float, float]], active: list[int]
 ) -> list[float] | None:
     """The normal equations of ``active`` terms, solved by Gaussian elimination (None when
     singular)."""

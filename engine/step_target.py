@@ -15,7 +15,8 @@ import logging
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.scheduler import PrefillCap, ScheduledBatch
+from pdserve.engine.prefill_cap import PrefillCap
+from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.step_model import StepModel, calibrate_step_model
 from pdserve.engine.step_stats import StepStats

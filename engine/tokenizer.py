@@ -202,7 +202,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        data: dict[str, Any] = json.load(f)  # tokenizer and generation configs: JSON objects
+    return data
 
 
 def _token_content(value: str | dict[str, Any] | None) -> str | None:

@@ -17,7 +17,7 @@ class Child:
 
     role: str
     cmd: list[str]
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
     def start(self) -> None:
@@ -39,18 +39,19 @@ class Child:
             self.proc.kill()
 
     def stop(self, timeout_s: float) -> None:
-        if not self.alive():
+        proc = self.proc
+        if proc is None or not self.alive():
             return
-        self.proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout_s)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             print(
                 f"pdserve serve: {self.role} did not stop in {timeout_s:.0f}s; killing it",
                 file=sys.stderr,
             )
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
 
 def restart(child: Child, max_restarts: int) -> None:

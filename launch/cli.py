@@ -9,9 +9,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # generic only in typeshed: argparse's class cannot be subscripted at run time
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+    Register = Callable[[Subparsers], None]
 
 
-def _generate(sub: argparse._SubParsersAction) -> None:
+def _generate(sub: Subparsers) -> None:
     from pdserve.engine.generate import add_generate_args, run_generate
 
     p = sub.add_parser("generate", help="run the in-process engine offline on prompts")
@@ -19,7 +25,7 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate)
 
 
-def _make_model(sub: argparse._SubParsersAction) -> None:
+def _make_model(sub: Subparsers) -> None:
     from pdserve.models.make_model import add_make_model_args, run_make_model
 
     p = sub.add_parser("make-model", help="write a deterministic random HF checkpoint")
@@ -29,12 +35,12 @@ def _make_model(sub: argparse._SubParsersAction) -> None:
 
 def _role(
     name: str, help_text: str, module: str, add: str, run: str, *extra: str, keys: bool = False
-):
+) -> Register:
     """A subcommand whose module is imported only when registered here (no torch for the
     coordinator and gateway). ``keys``: a cluster role, which takes ``--keys`` (or
     ``--insecure``) and refuses to start without one of them."""
 
-    def register(sub: argparse._SubParsersAction) -> None:
+    def register(sub: Subparsers) -> None:
         import importlib
 
         mod = importlib.import_module(module)
@@ -49,10 +55,13 @@ def _role(
     return register
 
 
-def _run_role(name: str, keys: bool, run: Callable[..., int], args, *extra: str) -> int:
+def _run_role(
+    name: str, keys: bool, run: Callable[..., int], args: argparse.Namespace, *extra: str
+) -> int:
     if keys:
         from pdserve.protocol.roles import command_roles
-        from pdserve.runtime.security import KeysError, export
+        from pdserve.runtime.keyfiles import KeysError
+        from pdserve.runtime.security import export
 
         # its key must hold the roles it sends as, or every receiver would refuse it
         needs = command_roles(name, colocated=getattr(args, "colocated", False))
@@ -64,7 +73,7 @@ def _run_role(name: str, keys: bool, run: Callable[..., int], args, *extra: str)
     return run(args, *extra)
 
 
-COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+COMMANDS: dict[str, Register] = {
     "generate": _generate,
     "make-model": _make_model,
     "pull": _role(

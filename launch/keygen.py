@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pdserve.protocol.roles import ALL, ROLES, format_roles, parse_roles
-from pdserve.runtime.keyfiles import write_identity
-from pdserve.runtime.security import AUTHORIZED, SERVER, KeysError
+from pdserve.runtime.keyfiles import KeysError, write_identity
+from pdserve.runtime.security import AUTHORIZED, SERVER
 
 
 def add_keygen_args(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,6 @@ import re
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 ROLES = ("prefill", "decode")
 MAX_COUNT = 4096  # workers one plan may ask for per role: more than any machine runs
@@ -30,7 +29,7 @@ class Desired:
         return self.prefill if role == "prefill" else self.decode
 
 
-def parse_plan(doc: Any, model: str) -> Desired | None:
+def parse_plan(doc: object, model: str) -> Desired | None:
     """``model``'s entry of a ``GET /planner`` answer; None if it has none or it is malformed."""
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), list):
         return None

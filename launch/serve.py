@@ -249,8 +249,9 @@ class Cluster:
 
     def reload_tenants(self) -> None:
         """SIGHUP: the gateway reads its tenants file again."""
-        if self.gateway is not None and self.gateway.alive():
-            self.gateway.proc.send_signal(signal.SIGHUP)
+        gateway = self.gateway
+        if gateway is not None and gateway.proc is not None and gateway.alive():
+            gateway.proc.send_signal(signal.SIGHUP)
 
     def children(self) -> list[Child]:
         return [self.coordinator, *self.workers, *([self.gateway] if self.gateway else [])]
@@ -295,6 +296,7 @@ def _supervise(
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-            return r.status == 200
+            status: int = r.status  # urlopen's result is untyped (typeshed: Any)
+            return status == 200
     except OSError:
         return False

@@ -100,6 +100,7 @@ def kv_share(args: argparse.Namespace, role: str) -> float:
     if args.kv_cache_share is not None:
         return float(args.kv_cache_share)
     colocated = args.mode == "colocated"
+    count: int
     if args.max_workers:
         count = args.max_workers
     elif colocated:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -76,7 +77,8 @@ class GGUFFile:
         header) are stepped over, their fields None; for a reader that wants only tensors."""
         self.path = Path(path)
         self._read_strings = strings
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # a memory map until close(), then an empty array
+        self._data: npt.NDArray[np.uint8] = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._view: memoryview | None = self._data.data  # the header, parsed by struct
         self._pos = 0
         if self._take(4).tobytes() != MAGIC:

@@ -26,9 +26,9 @@ from pdserve.models.make_tokenizer import (
     BOS,
     END_OF_TEXT,
     IM_END,
-    SPECIAL_TOKENS,
     TEMPLATES,
     build_tokenizer,
+    special_token_ids,
     write_json,
     write_tokenizer_config,
 )
@@ -84,7 +84,7 @@ def make_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"), pretty=True)
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(tok)
     write_json(out / "config.json", _model_config(p, arch, dtype, tok.get_vocab_size(), ids))
     generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[IM_END], ids[END_OF_TEXT]]}
     write_json(out / "generation_config.json", generation)

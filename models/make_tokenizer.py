@@ -84,6 +84,17 @@ def build_tokenizer(arch: str) -> tokenizers.Tokenizer:
     return tok
 
 
+def special_token_ids(tok: tokenizers.Tokenizer) -> dict[str, int]:
+    """The id of each of ``SPECIAL_TOKENS`` in ``tok`` (``build_tokenizer`` adds them all)."""
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        if token_id is None:
+            raise RuntimeError(f"the tokenizer lacks the special token {t!r}")
+        ids[t] = token_id
+    return ids
+
+
 def write_tokenizer_config(
     out: Path, arch: str, max_len: int, ids: dict[str, int], template: str
 ) -> None:

@@ -262,7 +262,8 @@ def run_models(args: argparse.Namespace) -> int:
     for r in rows:
         params = f"{r['parameters'] / 1e6:.1f}M" if "parameters" in r else "-"
         kv = f"{r['kv_bytes_per_token'] / 1024:.0f} KiB" if "kv_bytes_per_token" in r else "-"
-        check = {True: "  ok", False: "  CHANGED"}.get(r.get("verified"), "")
+        marks: dict[bool | None, str] = {True: "  ok", False: "  CHANGED"}
+        check = marks.get(r.get("verified"), "")
         first, *more = [_weights_cell(form) for form in r["weights"]]
         print(
             f"{r['name']:28} {params:>8} {r.get('dtype', '-'):9} {kv:>9}  {first:24}  "

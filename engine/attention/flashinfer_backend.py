@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 256 * 2**20
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_HEAD_DIMS = (64, 128, 256)
+
+# what a wrapper is planned for: num_heads, num_kv_heads, head_dim, q dtype, kv dtype, scale
+PlanKey = tuple[int, int, int, torch.dtype, torch.dtype, float]
+# a CUDA-graph decode step: num_heads, num_kv_heads, head_dim, dtype (q and kv), scale
+GraphShape = tuple[int, int, int, torch.dtype, float]
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class GraphState:
     static slot/valid inputs the captured ``forward`` reads."""
 
     batch_size: int
-    wrapper: Any
+    wrapper: Any  # a flashinfer BatchDecodeWithPagedKVCacheWrapper (flashinfer has no types)
     slot_mapping: torch.Tensor  # [batch_size] int64, static
     valid: torch.Tensor  # [batch_size] bool, static
 
@@ -113,14 +118,17 @@ class FlashInferBackend(AttentionBackend):
         self.device = device
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode: Any = None  # made at first use: tensor cores or not depends on GQA group
+        # flashinfer's decode wrapper (untyped, Any), made at first use: tensor cores or not
+        # depends on the GQA group
+        self._decode: Any = None
         self._fallback = TorchAttentionBackend(device)
         self._meta: AttentionMetadata | None = None
         self._indices: PagedIndices | None = None
-        self._planned: tuple | str | None = None  # what this step's wrapper was planned for
+        # what this step's wrapper was planned for ("torch": the fallback backend)
+        self._planned: PlanKey | Literal["torch"] | None = None
         self._graph: GraphState | None = None
         self._decode_step = False  # every row of this step is one decode token
-        self._warned: set[tuple] = set()
+        self._warned: set[PlanKey] = set()
 
     # ---- eager steps -------------------------------------------------------------------------
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -141,23 +149,25 @@ class FlashInferBackend(AttentionBackend):
         if self._graph is not None:
             g = self._graph
             write_kv_masked(kv_cache, g.slot_mapping, g.valid, k, v)
-            return g.wrapper.run(q, kv_cache)
+            graph_out: torch.Tensor = g.wrapper.run(q, kv_cache)  # [T, H, D]
+            return graph_out
         if self._meta is None or self._indices is None:
             raise RuntimeError("plan() must run before forward()")
         key = (q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype, scale)
         if not self.kernel_supports(q.dtype, q.shape[2]):
-            return self._fallback_forward(key, q, k, v, kv_cache, scale)
+            return self._fallback_forward(key, self._meta, q, k, v, kv_cache, scale)
         if self._planned != key:
             self._plan_wrapper(key, kv_cache.shape[2])
         write_kv(kv_cache, self._meta.slot_mapping, k, v)
         wrapper = self._decode if self._decode_step else self._prefill
-        return wrapper.run(q, kv_cache)
+        out: torch.Tensor = wrapper.run(q, kv_cache)  # [T, H, D]
+        return out
 
     @staticmethod
     def kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
         return dtype in KERNEL_DTYPES and head_dim in KERNEL_HEAD_DIMS
 
-    def _plan_wrapper(self, key: tuple, block_size: int) -> None:
+    def _plan_wrapper(self, key: PlanKey, block_size: int) -> None:
         num_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale = key
         idx = self._indices
         assert idx is not None
@@ -197,14 +207,23 @@ class FlashInferBackend(AttentionBackend):
             )
         self._planned = key
 
-    def _decode_wrapper(self, group: int) -> Any:
+    def _decode_wrapper(self, group: int) -> Any:  # flashinfer's wrapper: untyped
         if self._decode is None:
             self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_tensor_cores=group >= 4
             )
         return self._decode
 
-    def _fallback_forward(self, key, q, k, v, kv_cache, scale) -> torch.Tensor:
+    def _fallback_forward(
+        self,
+        key: PlanKey,
+        metadata: AttentionMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(
@@ -215,7 +234,7 @@ class FlashInferBackend(AttentionBackend):
                 q.shape[2],
             )
         if self._planned != "torch":
-            self._fallback.plan(self._meta)
+            self._fallback.plan(metadata)
             self._planned = "torch"
         return self._fallback.forward(q, k, v, kv_cache, scale)
 
@@ -238,7 +257,7 @@ class FlashInferBackend(AttentionBackend):
         return GraphState(batch_size, wrapper, slots, valid)
 
     def plan_graph(
-        self, state: GraphState, indices: PagedIndices, shape: tuple, block_size: int
+        self, state: GraphState, indices: PagedIndices, shape: GraphShape, block_size: int
     ) -> None:
         """Plan ``state``'s wrapper (outside the graph) and route ``forward`` to it.
 

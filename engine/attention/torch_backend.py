@@ -69,7 +69,8 @@ class TorchAttentionBackend(AttentionBackend):
         if self._kernel is not None:
             self.name = "torch+cpu-kernel"  # what the start-up log line says
         self._kernel_plan: KernelPlan | None = None
-        self._kernel_refused: set[tuple] = set()
+        # (q dtype, cache dtype, block size, head size) already logged as refused
+        self._kernel_refused: set[tuple[torch.dtype, torch.dtype, int, int]] = set()
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._slots = KVSlots.from_slots(metadata.slot_mapping, metadata.block_size)

@@ -21,14 +21,14 @@ import torch
 
 from pdserve.engine import native_build
 from pdserve.engine.native_build import find_compiler
-from pdserve.engine.quant.weights import QuantWeight
+from pdserve.engine.quant.weights import QuantKind, QuantWeight
 from pdserve.envs import pdserve_home
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_qlinear.c")
 SYMBOL = "pdserve_qlinear"
-KINDS = {"i8": 0, "u4": 1}
+KINDS: dict[QuantKind, int] = {"i8": 0, "u4": 1}
 # Below this many weights x rows (N * K * T) one thread does the layer: waking a second one
 # costs more than it saves.
 PARALLEL_MIN_WORK = 1 << 18

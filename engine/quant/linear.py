@@ -126,7 +126,7 @@ def qlinear_op(
         raise RuntimeError("pdserve::qlinear needs the quantized linear kernel")
     name = {v: k for k, v in KINDS.items()}[kind]
     halves = scales.view(torch.float16), None if mins is None else mins.view(torch.float16)
-    w = QuantWeight(name, data, *halves, group, name)  # type: ignore[arg-type]
+    w = QuantWeight(name, data, *halves, group, name)
     if w.shape != (n, x.shape[1]):
         raise ValueError(f"pdserve::qlinear: weight {w.shape} for {n} outputs of {x.shape[1]}")
     x = x.contiguous()

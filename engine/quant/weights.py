@@ -22,10 +22,12 @@ import torch
 
 BLOCK = 32  # weights per nibble block; every group is a whole number of blocks
 
+QuantKind = Literal["i8", "u4"]
+
 
 @dataclass(frozen=True)
 class QuantWeight:
-    kind: Literal["i8", "u4"]
+    kind: QuantKind
     data: torch.Tensor  # i8: int8 [N, K]; u4: uint8 [N, K // 2]
     scales: torch.Tensor  # float16 [N, K // group]
     mins: torch.Tensor | None  # float16 [N, K // group] for u4, None for i8
