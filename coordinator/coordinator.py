@@ -22,7 +22,7 @@ decode worker's whole KV cache fails at once (400), not with a retryable 503
 ``Coordinator`` has no sockets: ``handle`` takes a message, ``tick`` expires dead workers and
 waits, and everything it says goes through a ``CoordinatorOutbox``. It holds its parts::
 
-    shared        Shared          registry, routes, silent workers, clock, outbox (routes.py)
+    shared        Shared          registry, routes, silent workers, outbox (routes.py)
     placement     Placement       which worker of a pool; the pools' figures (placement.py)
     reservations  Reservations    decode blocks held, the queue for them (dispatch.py)
     local         LocalPrefill    one worker runs both phases (dispatch.py)
@@ -122,13 +122,12 @@ class Coordinator:
         if not isinstance(msg, HANDLED):
             logger.warning("coordinator ignores %s", type(msg).__name__)
             return
-        self.shared.now = now
         self.started_at = now if self.started_at is None else self.started_at
         if isinstance(msg, Register):
             self._register(msg, now)
         elif isinstance(msg, Heartbeat):
             if self.registry.heartbeat(msg, now):
-                self.reservations.place_queued()  # its free blocks are known afresh
+                self.reservations.place_queued(now)  # its free blocks are known afresh
         elif isinstance(msg, KVEvents):
             self.registry.kv_events(msg)
         elif isinstance(msg, m.GatewayHello):
@@ -140,11 +139,11 @@ class Coordinator:
             )
             self.shared.outbox.to_gateway(msg.stream_address, state)
         elif isinstance(msg, m.Generate):
-            self._generate(msg)
+            self._generate(msg, now)
         elif isinstance(msg, m.Reserved):
-            route = self.reservations.answered(msg)
+            route = self.reservations.answered(msg, now)
             if route is not None:
-                self._start_prefill(route, msg)
+                self._start_prefill(route, msg, now)
         elif isinstance(msg, m.TransferDone):
             self._transfer_done(msg, now)
         elif isinstance(msg, m.Finished):
@@ -156,10 +155,9 @@ class Coordinator:
 
     def tick(self, now: float) -> None:
         """Expire dead workers and waits past their bound; place what waits for blocks."""
-        self.shared.now = now
         self.recovery.expire_workers(now)
         self.recovery.expire_waits(now)
-        self.reservations.place_queued()
+        self.reservations.place_queued(now)
         self.planning.tick(now)
 
     def _queued(self, model: str) -> int:
@@ -181,7 +179,7 @@ class Coordinator:
             logger.warning("worker %s restarted", info.worker_id)
             del self.registry.workers[info.worker_id]
             self.shared.outbox.forget_worker(info.worker_id)
-            self.recovery.reroute_from(info.worker_id)
+            self.recovery.reroute_from(info.worker_id, now)
         self.shared.silent.heard(info.worker_id)  # a new process: nothing of the old one's
         try:
             self.registry.register(info, now)
@@ -191,12 +189,12 @@ class Coordinator:
         logger.info("registered %s worker %s for %s", info.role, info.worker_id, info.model)
         self.peers.joined(info)
 
-    def _generate(self, req: m.Generate) -> None:
+    def _generate(self, req: m.Generate, now: float) -> None:
         reg, shared = self.registry, self.shared
         if req.model not in reg.models():
             # until every live worker has registered again (a restarted coordinator), an
             # unknown model may only be one whose workers it has not heard yet: retryable
-            if shared.now - (self.started_at or shared.now) < reg.heartbeat_timeout_s:
+            if now - (self.started_at or now) < reg.heartbeat_timeout_s:
                 shared.error_to(req, 503, f"model {req.model} has no workers yet")
             else:
                 shared.error_to(req, 404, f"the model `{req.model}` does not exist")
@@ -204,7 +202,7 @@ class Coordinator:
         if not reg.ready(req.model):
             shared.error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
             return
-        self.planning.arrived(req, shared.now)
+        self.planning.arrived(req, now)
         blocks, block_size = self.placement.decode_capacity(req.model)
         error = self.admission.too_big(
             prompt_tokens=len(req.prompt_token_ids),
@@ -218,36 +216,31 @@ class Coordinator:
             shared.error_to(req, 400, error)
             return
         if req.resume_choice is not None:
-            self.local.resume(req, req.resume_choice)
+            self.local.resume(req, req.resume_choice, now)
             return
-        # the n choices go as one: one prefill, forked where they decode (DESIGN.md)
+        # the n choices go as one: one prefill, forked where they decode (engine/fork.py)
         if not self.placement.disaggregated(req.model):
             self.decisions["colocated"] += req.n
-            self.local.run_colocated(req)
+            self.local.run_colocated(req, now)
             return
-        reason = self.local.prefill_on_decode(req)
+        reason = self.local.prefill_on_decode(req, now)
         self.decisions[reason.value if reason is not None else "disaggregated"] += req.n
         if reason is None:
-            self.reservations.reserve(req, 0)
+            self.reservations.reserve(req, 0, now)
 
-    def _start_prefill(self, route: Route, msg: m.Reserved) -> None:
+    def _start_prefill(self, route: Route, msg: m.Reserved, now: float) -> None:
         """The decode worker holds the blocks (``msg``): a prefill worker computes the prompt
         and pushes its KV there."""
         req, shared = route.request, self.shared
-        avoid = shared.avoid()
+        avoid = shared.avoid(now)
         prefill = self.placement.pick_prefill(req.model, req.prompt_token_ids, avoid)
         if prefill is None:
             shared.fail(route.key, 503, f"model {req.model} has no prefill worker")
             return
-        route.state, route.prefill, route.since = (
-            RouteState.PREFILLING,
-            prefill.worker_id,
-            shared.now,
-        )
         for c in route.members():
             accepted = m.Accepted(request_id=req.request_id, choice=c)
             shared.outbox.to_gateway(req.stream_address, accepted)
-        route.job = m.PrefillJob(
+        job = m.PrefillJob(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling=req.sampling,
@@ -261,7 +254,8 @@ class Coordinator:
             choices=route.choices,
             share=req.share,
         )
-        shared.send(prefill.worker_id, route.job)
+        route.prefill_on(prefill.worker_id, job, now)
+        shared.send(prefill.worker_id, job)
 
     def _transfer_done(self, msg: m.TransferDone, now: float) -> None:
         key = ChoiceKey(msg.request_id, msg.choice)
@@ -270,17 +264,8 @@ class Coordinator:
             return
         ended = route.ended | set(msg.ended)
         self.routes.pop(key)
-        for c in route.members():  # from here on each choice goes its own way
-            if c not in ended:
-                decoding = Route(
-                    route.request,
-                    c,
-                    RouteState.DECODING,
-                    decode=route.decode,
-                    prefill=route.prefill,
-                    since=now,
-                )
-                self.routes.add(decoding)
+        for decoding in route.decoding(ended, now):  # from here on each choice its own way
+            self.routes.add(decoding)
         self.shared.send(route.decode, dataclasses.replace(msg, ended=sorted(ended)))
 
     def _finished(self, msg: m.Finished) -> None:

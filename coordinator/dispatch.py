@@ -50,7 +50,12 @@ class Reservations:
         return fork_blocks(len(req.prompt_token_ids), choices, block_size)
 
     def reserve(
-        self, req: m.Generate, choice: int, tried: set[str] | None = None, why: str = ""
+        self,
+        req: m.Generate,
+        choice: int,
+        now: float,
+        tried: set[str] | None = None,
+        why: str = "",
     ) -> bool:
         """Ask the decode worker with the most room (none of ``tried``, none silent) to hold
         blocks for this choice (choice 0: for every choice of the request, which go as one);
@@ -59,41 +64,32 @@ class Reservations:
         choices = req.n if choice == 0 else 1
         need = self.blocks_for(req, choices)
         tried = tried or set()
-        avoid = tried | shared.avoid()
+        avoid = tried | shared.avoid(now)
         prompt, max_tokens = req.prompt_token_ids, req.sampling.max_tokens
         worker = self.placement.pick_decode(req.model, need, avoid, prompt, max_tokens)
         if worker is None:
-            return self._queue(req, choice, choices, need, why)
-        route = Route(
-            req,
-            choice,
-            RouteState.RESERVING,
-            decode=worker.worker_id,
-            since=shared.now,
-            need=need,
-            tried=tried,
-            choices=choices,
-        )
+            return self._queue(req, choice, choices, need, why, now)
+        route = Route.reserving(req, choice, choices, need, worker.worker_id, tried, now)
         shared.routes.add(route)
         self._send_reserve(route)
         return True
 
-    def _queue(self, req: m.Generate, choice: int, choices: int, need: int, why: str) -> bool:
+    def _queue(
+        self, req: m.Generate, choice: int, choices: int, need: int, why: str, now: float
+    ) -> bool:
         """The pool is full for now: wait for blocks to come back, in the queue's order; or
         fail. A full queue makes room by refusing its newest choice of a lower tier (503:
         it was not accepted yet, nothing of it runs), if it has one."""
         shared = self.shared
         queue = shared.routes.queued
-        decoder = self.placement.has_decoder(req.model, shared.avoid())
+        decoder = self.placement.has_decoder(req.model, shared.avoid(now))
         if decoder and not self.admission.can_queue(len(queue), decoder):
             shed = queue.newest_below(share_of(req.share).tier)
             if shed is not None:
                 why_shed = "the queue for decode blocks is full: a higher tier's request came"
                 shared.fail(shed.key, 503, why_shed, shed.request)
         if self.admission.can_queue(len(queue), decoder):
-            route = Route(req, choice, RouteState.QUEUED, since=shared.now, need=need)
-            route.choices = choices
-            shared.routes.add(route)
+            shared.routes.add(Route.queued(req, choice, choices, need, now))
             logger.info("request %s#%d: queued (%s)", req.request_id, choice, why or "full")
             return True
         message = "no decode worker has free KV blocks for this prompt"
@@ -101,10 +97,10 @@ class Reservations:
         shared.fail(key, 503, f"{why}; {message}" if why else message, req)
         return False
 
-    def place_queued(self) -> None:
+    def place_queued(self, now: float) -> None:
         """Reserve for waiting choices, in the queue's order, while decode blocks allow."""
         shared = self.shared
-        avoid = shared.avoid()
+        avoid = shared.avoid(now)
         queue = shared.routes.queued
         while queue:
             route = queue.peek()
@@ -114,14 +110,10 @@ class Reservations:
             if worker is None:
                 return  # in order: no later, smaller one jumps the queue
             queue.pop()
-            route.state, route.decode, route.since = (
-                RouteState.RESERVING,
-                worker.worker_id,
-                shared.now,
-            )
+            route.reserve_on(worker.worker_id, now)
             self._send_reserve(route)
 
-    def answered(self, msg: m.Reserved) -> Route | None:
+    def answered(self, msg: m.Reserved, now: float) -> Route | None:
         """A decode worker's answer: the route that now holds its blocks, to prefill; None
         when there is nothing more to do (a late answer given back, a refusal asked
         elsewhere)."""
@@ -147,7 +139,7 @@ class Reservations:
             why = f"decode worker {msg.worker_id} could not reserve: {msg.error}"
             logger.info("request %s: %s", key, why)
             shared.routes.pop(key)
-            self.reserve(route.request, route.choice, route.tried | {msg.worker_id}, why)
+            self.reserve(route.request, route.choice, now, route.tried | {msg.worker_id}, why)
             return None
         return route
 
@@ -197,7 +189,7 @@ class LocalPrefill:
             return self.policy
         return dataclasses.replace(self.policy, max_local_prefill_tokens=limit)
 
-    def prefill_on_decode(self, req: m.Generate) -> LocalReason | None:
+    def prefill_on_decode(self, req: m.Generate, now: float) -> LocalReason | None:
         """Conditional disaggregation: why the request went to a decode worker to prefill
         itself rather than through a transfer; None when it did not (the policy says no, or
         no decode worker has room now: the usual path queues it)."""
@@ -210,19 +202,19 @@ class LocalPrefill:
             # the part of the prompt its decode worker would compute: a conversation's next
             # turn is short even when its history is long
             decode_cached_tokens=self.placement.decode_hit_tokens(req.model, prompt),
-            prefill_queue_tokens=self.placement.prefill_queue_tokens(req.model, shared.avoid()),
+            prefill_queue_tokens=self.placement.prefill_queue_tokens(req.model, shared.avoid(now)),
         )
         if reason is None:
             return None
         need = fork_blocks(len(prompt), req.n, self.placement.block_size(req.model))
         max_tokens = req.sampling.max_tokens
-        worker = self.placement.pick_decode(req.model, need, shared.avoid(), prompt, max_tokens)
+        worker = self.placement.pick_decode(req.model, need, shared.avoid(now), prompt, max_tokens)
         if worker is None:
             return None
-        self._run_local(req, worker.worker_id)
+        self._run_local(req, worker.worker_id, now)
         return reason
 
-    def resume(self, req: m.Generate, choice: int) -> None:
+    def resume(self, req: m.Generate, choice: int, now: float) -> None:
         """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far
         and decodes on (no transfer)."""
         block_size = self.placement.block_size(req.model)
@@ -240,26 +232,30 @@ class LocalPrefill:
             worker.worker_id,
             len(req.resume_token_ids),
         )
-        self._run_local(req, worker.worker_id, choice, list(req.resume_token_ids))
+        self._run_local(req, worker.worker_id, now, choice, list(req.resume_token_ids))
 
-    def run_colocated(self, req: m.Generate) -> None:
+    def run_colocated(self, req: m.Generate, now: float) -> None:
         """A pool whose workers all run both phases: the least busy one takes the request."""
         worker = self.placement.pick_colocated(req.model, len(req.prompt_token_ids))
         if worker is None:
             self.shared.error_to(req, 503, f"model {req.model} has no worker")
             return
-        self._run_local(req, worker.worker_id)
+        self._run_local(req, worker.worker_id, now)
 
     def _run_local(
-        self, req: m.Generate, worker_id: str, choice: int = 0, generated: list[int] | None = None
+        self,
+        req: m.Generate,
+        worker_id: str,
+        now: float,
+        choice: int = 0,
+        generated: list[int] | None = None,
     ) -> None:
         """One worker runs both phases (no transfer): of every choice, prefilled once and
         forked there; or, ``generated`` given, of ``choice`` alone after those tokens."""
         shared = self.shared
         members = [choice] if generated is not None else list(range(req.n))
         for c in members:
-            route = Route(req, c, RouteState.LOCAL, decode=worker_id, prefill=worker_id)
-            shared.routes.add(route)
+            shared.routes.add(Route.local(req, c, worker_id, now))
             if generated is None:  # a resumed choice's gateway knows it is accepted
                 accepted = m.Accepted(request_id=req.request_id, choice=c)
                 shared.outbox.to_gateway(req.stream_address, accepted)

@@ -62,24 +62,25 @@ class Recovery:
             shared.outbox.forget_worker(worker.worker_id)
             shared.silent.heard(worker.worker_id)
             self.peers.left(worker.info)
-            self.reroute_from(worker.worker_id)
+            self.reroute_from(worker.worker_id, now)
 
-    def reroute_from(self, worker_id: str) -> None:
+    def reroute_from(self, worker_id: str, now: float) -> None:
         """Every route on ``worker_id`` (dead or restarted) moves, is handed back or fails."""
         routes = self.shared.routes
         for key, route in list(routes.items()):
             if key in routes and worker_id in (route.decode, route.prefill):
-                self._worker_lost(key, route, worker_id)
+                self._worker_lost(key, route, worker_id, now)
 
-    def _worker_lost(self, key: ChoiceKey, route: Route, worker_id: str) -> None:
+    def _worker_lost(self, key: ChoiceKey, route: Route, worker_id: str, now: float) -> None:
         """Work the dead worker had not started goes elsewhere; started work fails (503)."""
         shared = self.shared
         why = f"worker {worker_id} stopped responding"
         if route.state is RouteState.RESERVING and route.decode == worker_id:
             shared.routes.pop(key)
-            self.reservations.reserve(route.request, route.choice, route.tried | {worker_id}, why)
+            tried = route.tried | {worker_id}
+            self.reservations.reserve(route.request, route.choice, now, tried, why)
         elif route.state is RouteState.PREFILLING and route.prefill == worker_id:
-            self._move_prefill(key, route, why)
+            self._move_prefill(key, route, why, now)
         elif route.state in (RouteState.DECODING, RouteState.LOCAL):
             # tokens are streaming: the gateway may resume this choice on another worker
             shared.routes.pop(key)
@@ -97,18 +98,17 @@ class Recovery:
         else:
             shared.fail(key, 503, why)
 
-    def _move_prefill(self, key: ChoiceKey, route: Route, why: str) -> None:
+    def _move_prefill(self, key: ChoiceKey, route: Route, why: str, now: float) -> None:
         """The decode reservation still stands: prefill again on another worker."""
         shared = self.shared
-        route.tried.add(route.prefill)
         req = route.request
-        avoid = route.tried | shared.avoid()
+        avoid = route.tried | {route.prefill} | shared.avoid(now)
         prefill = self.placement.pick_prefill(req.model, req.prompt_token_ids, avoid)
         if prefill is None or route.job is None:
             shared.fail(key, 503, f"{why}; no other prefill worker can take it")
             return
         logger.warning("request %s: %s; prefill moves to %s", key, why, prefill.worker_id)
-        route.prefill, route.since = prefill.worker_id, shared.now
+        route.prefill_moves_to(prefill.worker_id, now)
         shared.send(prefill.worker_id, route.job)
 
     def expire_waits(self, now: float) -> None:
@@ -131,7 +131,8 @@ class Recovery:
                 )
                 shared.send(wid, abort)
                 shared.routes.pop(key)
-                self.reservations.reserve(route.request, route.choice, route.tried | {wid}, why)
+                tried = route.tried | {wid}
+                self.reservations.reserve(route.request, route.choice, now, tried, why)
             elif route.state is RouteState.PREFILLING and waited > timeouts.prefill_s:
                 wid = route.prefill
                 why = f"prefill worker {wid} did not finish a prefill job in {waited:.1f} s"
@@ -139,4 +140,4 @@ class Recovery:
                     request_id=key.request_id, reason="prefill timed out", choice=key.choice
                 )
                 shared.send(wid, abort)
-                self._move_prefill(key, route, why)
+                self._move_prefill(key, route, why, now)

@@ -1,6 +1,6 @@
 """The coordinator's routes, one per live choice, and what its parts share (``Shared``: the
-registry, the route table, the silent workers, the clock and the outbox, with the sends every
-part makes).
+registry, the route table, the silent workers and the outbox, with the sends every part
+makes). A route's state changes only here, through its transitions (``Route``).
 
 A route's state (``RouteState``)::
 
@@ -41,8 +41,16 @@ class RouteState(Enum):
     LOCAL = "local"  # one worker runs both phases, no transfer
 
 
+class RouteStateError(RuntimeError):
+    """A transition asked of a route in another state than the one it leaves (a bug)."""
+
+
 @dataclass
 class Route:
+    """One choice's route (or, until they decode, the ``choices`` that go with it). Its state
+    changes only through the transitions below, each checking the state it leaves; a route
+    is made in its first state by ``queued``, ``reserving`` or ``local``."""
+
     request: m.Generate
     choice: int
     state: RouteState
@@ -67,6 +75,82 @@ class Route:
     def workers(self) -> set[str]:
         """The workers this route holds something on."""
         return {self.decode, self.prefill} - {""}
+
+    # ---- made in a first state ----------------------------------------------------------------
+    @classmethod
+    def queued(cls, req: m.Generate, choice: int, choices: int, need: int, now: float) -> Route:
+        """Waiting for ``need`` decode blocks (``RouteTable.queued``)."""
+        return cls(req, choice, RouteState.QUEUED, since=now, need=need, choices=choices)
+
+    @classmethod
+    def reserving(
+        cls,
+        req: m.Generate,
+        choice: int,
+        choices: int,
+        need: int,
+        decode: str,
+        tried: set[str],
+        now: float,
+    ) -> Route:
+        """``decode`` was asked to hold ``need`` blocks."""
+        return cls(
+            req,
+            choice,
+            RouteState.RESERVING,
+            decode=decode,
+            since=now,
+            need=need,
+            tried=tried,
+            choices=choices,
+        )
+
+    @classmethod
+    def local(cls, req: m.Generate, choice: int, worker_id: str, now: float) -> Route:
+        """One worker runs both phases."""
+        return cls(req, choice, RouteState.LOCAL, decode=worker_id, prefill=worker_id, since=now)
+
+    # ---- transitions --------------------------------------------------------------------------
+    def _leave(self, state: RouteState, to: RouteState) -> None:
+        if self.state is not state:
+            raise RouteStateError(
+                f"route {self.key}: {to.value} from {self.state.value}, not {state.value}"
+            )
+
+    def reserve_on(self, decode: str, now: float) -> None:
+        """queued -> reserving: ``decode`` has the blocks now and is asked for them (the
+        caller took the route out of the queue)."""
+        self._leave(RouteState.QUEUED, RouteState.RESERVING)
+        self.state, self.decode, self.since = RouteState.RESERVING, decode, now
+
+    def prefill_on(self, prefill: str, job: m.PrefillJob, now: float) -> None:
+        """reserving -> prefilling: the decode worker holds the blocks; ``prefill`` computes
+        the prompt (``job``, kept to send again elsewhere)."""
+        self._leave(RouteState.RESERVING, RouteState.PREFILLING)
+        self.state, self.prefill, self.job, self.since = RouteState.PREFILLING, prefill, job, now
+
+    def prefill_moves_to(self, prefill: str, now: float) -> None:
+        """prefilling, still: its prefill worker is gone or silent; ``prefill`` takes the job."""
+        self._leave(RouteState.PREFILLING, RouteState.PREFILLING)
+        self.tried.add(self.prefill)
+        self.prefill, self.since = prefill, now
+
+    def decoding(self, ended: set[int], now: float) -> list[Route]:
+        """prefilling -> decoding: the KV arrived; a route of its own for each choice going on
+        (``ended``: those token 0 ended). This route ends (the caller drops it)."""
+        self._leave(RouteState.PREFILLING, RouteState.DECODING)
+        return [
+            Route(
+                self.request,
+                c,
+                RouteState.DECODING,
+                decode=self.decode,
+                prefill=self.prefill,
+                since=now,
+            )
+            for c in self.members()
+            if c not in ended
+        ]
 
 
 class RouteTable(Mapping[ChoiceKey, Route]):
@@ -162,21 +246,20 @@ class SilentWorkers:
 
 
 class Shared:
-    """The state every part of the coordinator reads: the workers (``registry``), the routes,
-    the silent workers and the clock (``now``: the time of the message or tick being handled,
-    set by the coordinator); and the way out (``outbox``), with the sends every part makes:
-    to a worker, an error to a gateway, the end of a request on every worker it touched."""
+    """The state every part of the coordinator reads: the workers (``registry``), the routes
+    and the silent workers; and the way out (``outbox``), with the sends every part makes: to
+    a worker, an error to a gateway, the end of a request on every worker it touched. No
+    clock: what needs the time takes ``now`` from the message or tick being handled."""
 
     def __init__(self, outbox: CoordinatorOutbox, registry: WorkerRegistry) -> None:
         self.outbox = outbox
         self.registry = registry
         self.routes = RouteTable()
         self.silent = SilentWorkers()
-        self.now = 0.0
 
-    def avoid(self) -> set[str]:
-        """Workers not to give new work now: the silent ones."""
-        return self.silent.at(self.now)
+    def avoid(self, now: float) -> set[str]:
+        """Workers not to give new work at ``now``: the silent ones."""
+        return self.silent.at(now)
 
     def send(self, worker_id: str, msg: m.Message) -> None:
         worker = self.registry.workers.get(worker_id)

@@ -35,9 +35,23 @@ class Recording:
         )
 
 
-def cluster(planner: Recording, **options: object) -> tuple[Coordinator, Outbox]:
+class Stepped(Coordinator):
+    """A coordinator that remembers the last time it was handed (``now``): these tests' clock."""
+
+    now = 0.0
+
+    def handle(self, msg: m.Message, now: float, sender: str = "") -> None:
+        self.now = now
+        super().handle(msg, now, sender)
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        super().tick(now)
+
+
+def cluster(planner: Recording, **options: object) -> tuple[Stepped, Outbox]:
     out = Outbox()
-    c = Coordinator(
+    c = Stepped(
         out,
         heartbeat_timeout_s=1e9,
         make_planner=lambda model: planner,  # type: ignore[arg-type,return-value]
@@ -49,7 +63,7 @@ def cluster(planner: Recording, **options: object) -> tuple[Coordinator, Outbox]
     return c, out
 
 
-def generate(c: Coordinator, rid: str, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+def generate(c: Stepped, rid: str, prompt_len: int, max_tokens: int, n: int = 1) -> None:
     c.handle(
         m.Generate(
             request_id=rid,
@@ -59,11 +73,11 @@ def generate(c: Coordinator, rid: str, prompt_len: int, max_tokens: int, n: int 
             n=n,
             stream_address="gw",
         ),
-        c.shared.now,
+        c.now,
     )
 
 
-def heartbeat(c: Coordinator, wid: str, used: int, running: int, queued: int = 0) -> None:
+def heartbeat(c: Stepped, wid: str, used: int, running: int, queued: int = 0) -> None:
     load = WorkerLoad(
         free_blocks=64 - used,
         used_blocks=used,
@@ -72,7 +86,7 @@ def heartbeat(c: Coordinator, wid: str, used: int, running: int, queued: int = 0
         waiting=0,
         queued_prompt_tokens=queued,
     )
-    c.handle(Heartbeat(worker_id=wid, load=load), c.shared.now)
+    c.handle(Heartbeat(worker_id=wid, load=load), c.now)
 
 
 def test_load_is_read_from_arrivals_samples_and_the_pools() -> None:
@@ -80,7 +94,7 @@ def test_load_is_read_from_arrivals_samples_and_the_pools() -> None:
     c, out = cluster(planner)
     c.tick(0.0)  # the first plan: nothing has arrived
     assert [now for now, _ in planner.loads] == [0.0]
-    c.shared.now = 1.0
+    c.now = 1.0
     generate(c, "a", prompt_len=100, max_tokens=8)
     generate(c, "b", prompt_len=300, max_tokens=16, n=2)
     hello = m.GatewayHello(
@@ -134,7 +148,7 @@ def test_old_figures_leave_the_window_and_draining_workers_do_not_count() -> Non
     planner = Recording()
     c, _ = cluster(planner)
     c.tick(0.0)
-    c.shared.now = 1.0
+    c.now = 1.0
     generate(c, "a", prompt_len=100, max_tokens=8)
     c.handle(m.GatewayHello("gw", [LatencySamples(model="tiny", ttft_s=[3.0])]), 1.0)
     draining = WorkerLoad(
@@ -156,7 +170,7 @@ def test_old_figures_leave_the_window_and_draining_workers_do_not_count() -> Non
 def test_output_tokens_fall_back_to_max_tokens_before_any_finished() -> None:
     planner = Recording()
     c, _ = cluster(planner)
-    c.shared.now = 1.0
+    c.now = 1.0
     generate(c, "a", prompt_len=10, max_tokens=8)
     generate(c, "b", prompt_len=10, max_tokens=24)
     c.tick(1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.coordinator.routes import Route, RouteState, RouteTable
+from pdserve.coordinator.routes import Route, RouteState, RouteStateError, RouteTable
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 
@@ -44,3 +44,65 @@ def test_pop_keeps_the_index_in_step() -> None:
     assert table == {} and table.keys_of("a") == []
     with pytest.raises(KeyError):
         table.pop(ChoiceKey("a", 1))
+
+
+def test_transitions_check_the_state_they_leave() -> None:
+    req = _route("a", 0).request
+    route = Route.queued(req, 0, choices=2, need=3, now=1.0)
+    with pytest.raises(RouteStateError, match="prefilling from queued, not reserving"):
+        route.prefill_on("p0", None, 2.0)  # type: ignore[arg-type]
+    route.reserve_on("d0", 2.0)
+    assert (route.state, route.decode, route.since) == (RouteState.RESERVING, "d0", 2.0)
+    with pytest.raises(RouteStateError):
+        route.reserve_on("d1", 3.0)
+    job = m.PrefillJob(
+        request_id="a",
+        prompt_token_ids=[1, 2],
+        sampling=SPEC,
+        n=3,
+        dst_block_ids=[0],
+        transfer_address="t",
+        stream_address="gw",
+    )
+    route.prefill_on("p0", job, 3.0)
+    assert (route.state, route.prefill, route.job) == (RouteState.PREFILLING, "p0", job)
+    route.prefill_moves_to("p1", 4.0)
+    assert (route.prefill, route.tried, route.since) == ("p1", {"p0"}, 4.0)
+    [second] = route.decoding({0}, 5.0)  # token 0 ended choice 0
+    assert (second.choice, second.state, second.decode, second.since) == (
+        1,
+        RouteState.DECODING,
+        "d0",
+        5.0,
+    )
+    with pytest.raises(RouteStateError):
+        second.decoding(set(), 6.0)
+
+
+def test_no_route_state_is_assigned_outside_the_routes_module() -> None:
+    """A route's state changes only through its transitions (coordinator/routes.py)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "coordinator"
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "routes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for t in targets:
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(el, ast.Attribute) and el.attr == "state":
+                        found.append(f"{path.name}:{node.lineno}")
+            if (  # Route(..., RouteState.X, ...) made elsewhere sets a state too
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "Route"
+            ):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []
