@@ -6,9 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
-# Debian packages the tests use for real (command:package): a C compiler for the CPU kernel and
-# torch.compile, iproute2 for the network-namespace test. Installed when a command is missing.
-SYSTEM_TOOLS := cc:gcc ip:iproute2 redis-server:redis-server
+# Debian packages the tests use for real (command:package): a C compiler for the CPU kernels and
+# torch.compile, iproute2 for the network-namespace test, Redis for the shared rate limits,
+# kubectl (with kustomize) to render the Kubernetes overlays. Installed when a command is missing;
+# no test skips for want of one.
+SYSTEM_TOOLS := cc:gcc ip:iproute2 redis-server:redis-server kubectl:kubectl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv test lint typecheck serve clean
@@ -31,11 +33,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# mypy, strict, on the packages whose types are held (pyproject.toml [tool.mypy]). The folders
-# install as pdserve.<name> (package-dir), which mypy cannot map: it reads them through a tree
-# of links that mirrors the installed names.
-TYPED := -p pdserve.protocol -p pdserve.runtime -p pdserve.coordinator -p pdserve.worker \
-	-p pdserve.prefill -p pdserve.decode -m pdserve.kvtransfer.base -m pdserve.fair_queue
+# mypy, strict, on every product package (pyproject.toml [tool.mypy]); bench/, a client and
+# scripts beside the product, is not held to it. The folders install as pdserve.<name>
+# (package-dir), which mypy cannot map: it reads them through a tree of links that mirrors the
+# installed names.
+TYPED := -p pdserve.protocol -p pdserve.models -p pdserve.runtime -p pdserve.engine \
+	-p pdserve.kvtransfer -p pdserve.worker -p pdserve.prefill -p pdserve.decode \
+	-p pdserve.coordinator -p pdserve.gateway -p pdserve.launch -m pdserve.fair_queue \
+	-m pdserve.envs
 TYPE_TREE := $(VENV)/typecheck
 typecheck: $(STAMP)
 	@rm -rf $(TYPE_TREE)/pdserve && mkdir -p $(TYPE_TREE)/pdserve

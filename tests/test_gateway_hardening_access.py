@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.gateway.config import API_KEY_ENV, GatewayConfig, add_config_args, config_from_args
 from pdserve.gateway.main import add_gateway_args, run_gateway
-from pdserve.gateway.tenancy import OPEN, Tenancy
+from pdserve.gateway.tenancy.core import OPEN, Tenancy
 from tests.gateway_util import COMPLETION, Serve, error, wait_for
 
 # ---- API keys ----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.gateway.tenants import hash_key, load_tenants
+from pdserve.gateway.tenancy.tenants import hash_key, load_tenants
 from pdserve.launch import keys as keys_cli
 from pdserve.launch.cli import main
 

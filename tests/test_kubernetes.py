@@ -38,9 +38,15 @@ from tests.k8s_util import (
 )
 
 KUBECTL = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(
-    KUBECTL is None, reason="kubectl is not installed: nothing can render the overlays"
-)
+
+
+@pytest.fixture(autouse=True)
+def _kubectl() -> None:
+    """Never skipped: `make test` installs kubectl (apt package kubectl) where it is missing."""
+    if KUBECTL is None:
+        pytest.fail("kubectl is not installed: nothing can render the overlays (make test)")
+
+
 K8S_VERSION = "1.32"
 KEDA_CRD = Path(__file__).parent / "data" / "keda.sh_scaledobjects.yaml"
 KINDS = {"Secret": 5, "Service": 2, "Deployment": 4, "PodDisruptionBudget": 3, "ScaledObject": 2}

@@ -1,7 +1,8 @@
 """Packages depend one way, as the README's "Layout" states it, read from the source with ``ast``
 (no package is imported here): ``protocol`` imports nothing of pdserve, each package imports
-only the packages below it, no two packages import each other, and what the torch-free roles
-load at import time never reaches torch."""
+only the packages below it, no two packages import each other, what the torch-free roles
+load at import time never reaches torch, and the gateway's sub-packages (``gateway/tools/``,
+``gateway/tenancy/``) never reach the gateway's HTTP app."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ BELOW: dict[str, set[str]] = {
 }
 TOP = {"launch", "bench"}  # entry points and tools: they may import any package
 TORCH_FREE = ["protocol", "runtime", "coordinator", "gateway"]  # at import time, transitively
+# The gateway's HTTP app: endpoints, middleware, response bodies, the server. A sub-package of
+# the gateway is a concern the app uses, never one that uses the app.
+GATEWAY_APP = [
+    "app",
+    "main",
+    "admission",
+    "api_extras",
+    "drain",
+    "headers",
+    "http_limits",
+    "responses",
+]
 
 
 def package_dirs() -> dict[str, Path]:
@@ -200,6 +213,23 @@ def test_the_torch_free_packages_never_load_torch_or_a_torch_module() -> None:
     assert not bad, sorted(bad)
 
 
+def gateway_subpackages() -> list[Path]:
+    return sorted(init.parent for init in PACKAGES["gateway"].glob("*/__init__.py"))
+
+
+def test_the_gateways_subpackages_never_import_its_http_app() -> None:
+    """Not directly (at any time: in a function, under ``TYPE_CHECKING``), nor through what a
+    module loads at import time."""
+    app = {f"pdserve.gateway.{name}" for name in GATEWAY_APP}
+    bad = set()
+    for folder in gateway_subpackages():
+        for path in sorted(folder.rglob("*.py")):
+            here = str(path.relative_to(ROOT))
+            bad |= {f"{here} -> {module}" for module, _ in parsed(path) if module in app}
+            bad |= {" -> ".join(chain) for name, chain in loaded_at_import(path) if name in app}
+    assert not bad, sorted(bad)
+
+
 def test_coordinator_protocol_and_runtime_import_no_engine() -> None:
     graph = package_graph()
     for package in ("protocol", "runtime", "coordinator"):
@@ -225,3 +255,41 @@ def test_the_checks_see_what_they_check() -> None:
     assert "pdserve.kvtransfer" in loaded  # its package's __init__ runs first
     assert module_file("pdserve.protocol.messages") == PACKAGES["protocol"] / "messages.py"
     assert module_file("pdserve.envs") == ROOT / "pdserve" / "envs.py"
+    gateway = PACKAGES["gateway"]
+    assert {"tools", "tenancy"} <= {p.name for p in gateway_subpackages()}
+    assert gateway / "tenancy" / "core.py" in sources("gateway")  # sub-packages are walked
+    assert module_name(gateway / "tenancy" / "core.py") == "pdserve.gateway.tenancy.core"
+    assert module_file("pdserve.gateway.tenancy") == gateway / "tenancy" / "__init__.py"
+    assert all(module_file(f"pdserve.gateway.{name}") for name in GATEWAY_APP)
+    assert "pdserve.gateway.app" in dict(loaded_at_import(gateway / "main.py"))
+
+
+# ---- composition, not mixins (kvtransfer) --------------------------------------------------
+CONTRACT_BASES = {"KVEndpoint", "KVSender", "KVReceiver", "ABC", "Protocol", "Generic"}
+PLAIN_BASES = {"Enum", "RuntimeError", "ValueError", "Exception"}  # enums and errors
+
+
+def _base_names(node: ast.ClassDef) -> set[str]:
+    names = set()
+    for base in node.bases:
+        target = base.value if isinstance(base, ast.Subscript) else base  # Generic[T]
+        names.add(target.attr if isinstance(target, ast.Attribute) else ast.unparse(target))
+    return names
+
+
+def test_kvtransfer_backends_hold_their_parts_rather_than_inherit_them() -> None:
+    """A backend *has* a transfer table and a thread; inheritance is for the contract alone."""
+    offenders = [
+        f"{path.name}:{node.name}({', '.join(sorted(bases))})"
+        for path in sorted(PACKAGES["kvtransfer"].glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and (bases := _base_names(node)) - CONTRACT_BASES - PLAIN_BASES
+    ]
+    assert offenders == []
+
+
+def test_the_gateway_groups_its_concerns_into_sub_packages() -> None:
+    top = [p for p in PACKAGES["gateway"].iterdir() if p.name != "__pycache__"]
+    assert len(top) <= 30, sorted(p.name for p in top)
+    assert (PACKAGES["gateway"] / "tenancy" / "__init__.py").is_file()

@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import subprocess
-import sys
 
 import openai
 import pytest
@@ -31,6 +30,13 @@ CHATS = [
 @pytest.fixture(scope="module")
 def disagg(real_dir):
     c = ServedCluster(real_dir, "--mode=disagg", ready_timeout=180)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(real_dir):
+    c = ServedCluster(real_dir, "--mode=colocated", ready_timeout=180)
     yield c
     c.stop()
 
@@ -148,21 +154,19 @@ async def _crowd(url: str, model: str, vocab: int, n: int, prompt_len: int, out_
 
 
 @pytest.mark.parametrize("mode", ["disagg", "colocated"])
-def test_32_concurrent_requests_on_the_real_model_all_complete(real_dir, mode) -> None:
+def test_32_concurrent_requests_on_the_real_model_all_complete(request, mode) -> None:
     """The load that used to take the cluster down: busy workers were declared dead."""
-    c = ServedCluster(real_dir, f"--mode={mode}", ready_timeout=180)
-    try:
-        results = asyncio.run(_crowd(c.url, c.model_name, 49152, 32, 128, 64))
-        failures = [r for r in results if not isinstance(r, int)]
-        assert not failures, f"{len(failures)} of 32 failed: {failures[:3]}\n{c.output()[-3000:]}"
-        assert results == [64] * 32
-        assert set(c.wait_blocks_free().values()) == {0.0}
-        if mode == "colocated":
-            chat_without_max_tokens(c, real_dir)
-        assert "missed its heartbeats" not in c.output()
-    finally:
-        log = c.stop()
-    print(log[-2000:], file=sys.stderr)
+    c = request.getfixturevalue(mode)  # the module's cluster of that mode
+    results = asyncio.run(_crowd(c.url, c.model_name, 49152, 32, 128, 64))
+    failures = [r for r in results if not isinstance(r, int)]
+    assert not failures, f"{len(failures)} of 32 failed: {failures[:3]}\n{c.output()[-3000:]}"
+    assert results == [64] * 32
+    assert set(c.wait_blocks_free().values()) == {0.0}
+    assert "missed its heartbeats" not in c.output()
+
+
+def test_a_chat_without_max_tokens_colocated(colocated, real_dir) -> None:
+    chat_without_max_tokens(colocated, real_dir)
 
 
 def test_json_schema_on_the_real_model_finishes_and_validates(disagg) -> None:

@@ -5,9 +5,10 @@ round; medians over rounds.
 
     python -m bench.experiments.kv_by_need --rounds 3 [--before-tree DIR]
 
-``--before-tree``: a tree whose ``pdserve/`` mirrors the installed names of another checkout
-(``make typecheck`` builds one for this checkout under ``.venv/typecheck``; do the same for a
-``git worktree`` of an older commit): that arm's processes import it first (``PYTHONPATH``).
+``--before-tree`` (and ``--after-tree``): a tree whose ``pdserve/`` mirrors the installed
+names of another checkout (``make typecheck`` builds one for this checkout under
+``.venv/typecheck``; do the same for a ``git worktree`` of another commit): that arm's processes
+import it first (``PYTHONPATH``).
 A request stops after ``--stop-after`` tokens at the first of a few common tokens (``min_tokens``
 holds stop tokens back until then), so its length does not depend on the model's EOS.
 """
@@ -54,7 +55,14 @@ def python_path(tree: str | None):
 
 async def crowd(url: str, model: str, args: argparse.Namespace, stop_ids: list[int]) -> dict:
     rng = random.Random(0)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(64)]
+    prompts = [
+        " ".join(
+            f"The {rng.choice(WORDS)} was near the {rng.choice(WORDS)}."
+            for _ in range(args.prompt_sentences)
+        )
+        + " Tell the story of it."
+        for _ in range(64)
+    ]
     body = {
         "model": model,
         "max_tokens": args.max_tokens,
@@ -81,7 +89,13 @@ async def crowd(url: str, model: str, args: argparse.Namespace, stop_ids: list[i
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.streams)))
         seconds = time.perf_counter() - start
-    return {"tokens_per_s": tokens / seconds, "refused": refused, "tokens": tokens}
+    served = args.requests - refused
+    return {
+        "tokens_per_s": tokens / seconds,
+        "refused": refused,
+        "tokens": tokens,
+        "mean_output": tokens / max(served, 1),
+    }
 
 
 def one_run(arm: str, tree: str | None, args: argparse.Namespace, stop_ids: list[int]) -> dict:
@@ -128,15 +142,17 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--stop-after", type=int, default=64)
-    p.add_argument("--prompt-words", type=int, default=60)
+    p.add_argument("--prompt-sentences", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--flags", default="--mode=disagg", help="more pdserve serve flags")
     p.add_argument("--before-tree", default=None)
+    p.add_argument("--after-tree", default=None, help="as --before-tree (default: this one)")
     args = p.parse_args()
     args.model = args.model or str(pull_model(DEFAULT_MODEL))
     tok = Tokenizer.from_dir(Path(args.model))
     stop_ids = sorted({tok.encode(s, add_special_tokens=False)[-1] for s in STOPS})
-    arms = [("after", None)] + ([("before", args.before_tree)] if args.before_tree else [])
+    arms = [("after", args.after_tree)]
+    arms += [("before", args.before_tree)] if args.before_tree else []
     results: dict[str, list[dict]] = {arm: [] for arm, _ in arms}
     for r in range(args.rounds):
         for arm, tree in arms if r % 2 == 0 else reversed(arms):
@@ -145,13 +161,13 @@ def main() -> None:
         f"\n{args.streams} streams, {args.requests} requests, KV {args.kv_cache_memory}, "
         f"max_tokens {args.max_tokens}, stop after ~{args.stop_after}: medians of {args.rounds}"
     )
-    print("| arm | served tokens/s | refused | peak streams running | preemptions |")
-    print("|---|---|---|---|---|")
+    print("| arm | output tokens/s | refused | mean output | peak streams running | preemptions |")
+    print("|---|---|---|---|---|---|")
     for arm, runs in results.items():
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
         print(
             f"| {arm} | {med['tokens_per_s']:.1f} | {med['refused']:.0f} | "
-            f"{med['peak_running']:.0f} | {med['preemptions']:.0f} |"
+            f"{med['mean_output']:.0f} | {med['peak_running']:.0f} | {med['preemptions']:.0f} |"
         )
 
 
