@@ -10,7 +10,8 @@ names of another checkout (``make typecheck`` builds one for this checkout under
 ``.venv/typecheck``; do the same for a ``git worktree`` of another commit): that arm's processes
 import it first (``PYTHONPATH``).
 A request stops after ``--stop-after`` tokens at the first of a few common tokens (``min_tokens``
-holds stop tokens back until then), so its length does not depend on the model's EOS.
+holds stop tokens back until then; sampled, seeded per request: greedy loops on this model
+without ever reaching one), so its length does not depend on the model's EOS.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ async def crowd(url: str, model: str, args: argparse.Namespace, stop_ids: list[i
         "max_tokens": args.max_tokens,
         "min_tokens": args.stop_after,
         "stop_token_ids": stop_ids,
-        "temperature": 0,
+        "temperature": 0.8,  # greedy loops on this model, never reaching a stop token
     }
     tokens, refused = 0, 0
     async with httpx.AsyncClient(timeout=600) as client:
@@ -79,7 +80,8 @@ async def crowd(url: str, model: str, args: argparse.Namespace, stop_ids: list[i
             while queue:
                 i = queue.pop()
                 r = await client.post(
-                    f"{url}/v1/completions", json={**body, "prompt": prompts[i % len(prompts)]}
+                    f"{url}/v1/completions",
+                    json={**body, "prompt": prompts[i % len(prompts)], "seed": i},
                 )
                 if r.status_code == 200:
                     tokens += r.json()["usage"]["completion_tokens"]
