@@ -109,7 +109,7 @@ def _add_output_args(m: argparse._ArgumentGroup) -> None:
     m.add_argument("--no-progress", action="store_true")
 
 
-def _json_object(text: str) -> dict:
+def _json_object(text: str) -> dict[str, object]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any  # request bodies and usage are JSON: values of every type
 
 import httpx
 
@@ -191,7 +191,8 @@ async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | N
     models = r.json().get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
-    return models[0]["id"]
+    model_id: str = models[0]["id"]
+    return model_id
 
 
 async def prompt_tokens(client: httpx.AsyncClient, target: Target, text: str) -> int | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any  # jsonl rows and chat messages: JSON, values of every type
 
 import numpy as np
 
@@ -53,7 +53,8 @@ def lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: float) -> 
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
     low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
-    return rng.integers(low, high + 1, size=n).tolist()
+    drawn: list[int] = rng.integers(low, high + 1, size=n).tolist()  # tolist() is untyped
+    return drawn
 
 
 def random_requests(

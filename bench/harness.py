@@ -11,8 +11,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any  # result rows are JSON: values of every type, read by key
 
+import httpx
 import numpy as np
 
 from pdserve.bench import datasets as ds
@@ -38,7 +39,7 @@ def num_requests(args: argparse.Namespace, rate: float) -> int:
     """``--num-prompts``, else enough for ``--duration`` at ``rate`` (unsent ones cost nothing
     but their making), else 100."""
     if args.num_prompts is not None:
-        return args.num_prompts
+        return int(args.num_prompts)
     if args.duration is None:
         return 100
     return math.ceil(rate * args.duration * 1.5) + 10 if math.isfinite(rate) else 1000
@@ -54,6 +55,7 @@ def build_requests(
         return ds.jsonl_requests(args.dataset_path, args.random_output_len, maker)[
             : args.num_prompts
         ]
+    maker = needed(maker, args.dataset)
     ratio = args.random_range_ratio
     if args.dataset == "random":
         return ds.random_requests(
@@ -82,6 +84,14 @@ def build_requests(
     return ds.mixed_requests(maker, n, spec, horizon, rng)
 
 
+def needed(maker: PromptMaker | None, dataset: str) -> PromptMaker:
+    """The prompt maker every dataset but jsonl (whose rows bring their text) makes prompts
+    with; ``make_prompts`` gives one to each of them."""
+    if maker is None:
+        raise ValueError(f"--dataset {dataset} makes its prompts: it needs a prompt maker")
+    return maker
+
+
 def multi_turn_spec(args: argparse.Namespace) -> MultiTurnSpec:
     return MultiTurnSpec(
         args.multi_turn_conversations,
@@ -105,7 +115,7 @@ def endpoint(args: argparse.Namespace) -> str:
 
 async def run_stage(
     args: argparse.Namespace,
-    client,
+    client: httpx.AsyncClient,
     target: Target,
     maker: PromptMaker | None,
     spec: RunSpec,
@@ -119,7 +129,9 @@ async def run_stage(
         mt = multi_turn_spec(args)
         if warmup:
             mt = replace(mt, conversations=n, turns=1)
-        convs = build_conversations(maker, mt, np.random.default_rng(spec.seed))
+        convs = build_conversations(
+            needed(maker, args.dataset), mt, np.random.default_rng(spec.seed)
+        )
         return await run_conversations(client, target, convs, spec, mt.think_time, progress)
     requests = build_requests(args, maker, spec.rate, n, spec.seed)
     if warmup:
@@ -127,7 +139,9 @@ async def run_stage(
     return await run_requests(client, target, requests, spec, progress)
 
 
-async def make_prompts(args: argparse.Namespace, client, target: Target) -> PromptMaker | None:
+async def make_prompts(
+    args: argparse.Namespace, client: httpx.AsyncClient, target: Target
+) -> PromptMaker | None:
     if args.tokenizer:
         return TokenPrompts(load_tokenizer(args.tokenizer))
     if args.dataset == "jsonl":
@@ -219,7 +233,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 async def warm_up(
-    args: argparse.Namespace, client, target: Target, maker: PromptMaker | None
+    args: argparse.Namespace, client: httpx.AsyncClient, target: Target, maker: PromptMaker | None
 ) -> None:
     """``--warmup`` requests of the workload's shape (other prompts), all at once; mixed:
     no bursts; multi-turn: first turns, under another system prompt."""
@@ -241,7 +255,9 @@ def finish(
         print(f"highest rate with >= 90% SLO attainment: {found}")
     if args.save_result:
         if sweep:
-            command = shlex.join(["pdserve", *sys.argv[1:]])
+            # the command line it was run with (``pdserve bench ...``), not this process's
+            default = shlex.join(["pdserve", *sys.argv[1:]])
+            command = str(getattr(args, "command_line", default))
             save_json(
                 args.save_result, {"command": command, "rows": rows, "max_rate_meeting_slo": best}
             )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any  # a result is JSON: figures, lists and maps, read by key
 
 import numpy as np
 

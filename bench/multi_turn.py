@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any  # chat messages are JSON, sent as they are
 
 import httpx
 import numpy as np

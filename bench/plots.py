@@ -4,7 +4,7 @@ run, and for sweeps p99 TTFT, p99 TPOT and SLO attainment against the request ra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any  # result rows are JSON: values of every type, read by key
 
 import numpy as np
 
@@ -13,18 +13,18 @@ from pdserve.bench.metrics import RequestOutput, metric_values
 CDF_METRICS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))
 
 
-def _pyplot():
+def use_agg() -> None:
+    """Files only, no display: matplotlib's Agg backend, chosen before pyplot is imported."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_cdfs(runs: list[tuple[str, list[RequestOutput]]], out_dir: str | Path) -> Path:
     """``latency_cdf.png``: one panel per metric, one line per run."""
-    plt = _pyplot()
+    use_agg()
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (title, metric) in zip(axes.flat, CDF_METRICS, strict=True):
         for label, outputs in runs:
@@ -44,7 +44,9 @@ def plot_cdfs(runs: list[tuple[str, list[RequestOutput]]], out_dir: str | Path) 
 def plot_sweep(series: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "") -> Path:
     """p99 TTFT, p99 TPOT and goodput (or attainment) against ``rate``, one line per series
     (a sweep, or one per serving mode in an experiment)."""
-    plt = _pyplot()
+    use_agg()
+    import matplotlib.pyplot as plt
+
     panels = (
         ("p99 TTFT (ms)", "p99_ttft_ms"),
         ("p99 TPOT (ms)", "p99_tpot_ms"),

@@ -11,12 +11,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO  # a result is JSON: values of every type, read by key
 
 from pdserve.bench.metrics import RequestOutput
 
-ROWS = (("TTFT", "ttft"), ("TTFT content", "ttft_content"), ("TPOT", "tpot"))
-ROWS += (("ITL", "itl"), ("E2EL", "e2el"))
+ROWS = (
+    ("TTFT", "ttft"),
+    ("TTFT content", "ttft_content"),
+    ("TPOT", "tpot"),
+    ("ITL", "itl"),
+    ("E2EL", "e2el"),
+)
 SWEEP_COLUMNS = (
     ("stage", "sweep_stage", "{}"),
     ("rate", "request_rate", "{:.2f}"),
@@ -43,7 +48,7 @@ class Progress:
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
         self.t0 = 0.0
-        self._ticker: asyncio.Task | None = None
+        self._ticker: asyncio.Task[None] | None = None
 
     def start(self, t0: float, total: int) -> None:
         self.t0, self.total = t0, total

@@ -5,7 +5,7 @@ definition of goodput)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any  # result rows are JSON: values of every type, read by key
 
 import numpy as np
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if chosen not in COMMANDS or name == chosen:
             register(sub)
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["pdserve", *argv])  # what a saved result says it ran
     return int(args.func(args) or 0)
 
 

@@ -128,8 +128,8 @@ def cluster(real_dir: Path, tmp_path: Path) -> Iterator[ServedCluster]:
         "--max-workers=3",
         "--autoscale-interval=1",
         "--planner-interval=1",
-        "--planner-window=15",  # a phase's load leaves the plan within 15 s
-        "--scale-down-cooldown=20",  # and a lower count holds 20 s before it acts
+        "--planner-window=8",  # a phase's load leaves the plan within 8 s
+        "--scale-down-cooldown=10",  # and a lower count holds 10 s before it acts
         f"--profile={profile}",
         "--ttft-slo=60",
         "--tpot-slo=0.45",

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any  # rounds and the report are JSON, read back by --replot
 
 import httpx
 import numpy as np
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = ("out", "replot", "model_dir", "log_dir")
     trace = {k: v for k, v in vars(args).items() if k not in skip}
     trace["knots"] = [[f * args.duration, rate_at(f * args.duration, args)] for f, _ in KNOTS]
-    report = {"command": command, "model": Path(args.model).name, "trace": trace}
+    report: dict[str, Any] = {"command": command, "model": Path(args.model).name, "trace": trace}
     report |= {"machine": machine, "minutes": (time.monotonic() - started) / 60}
     report |= {"results": summarize(rounds), "rounds": rounds}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any
+from typing import Any  # a sample is JSON: figures and labels, read by key
 
 import httpx
 

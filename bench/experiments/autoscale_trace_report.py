@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any  # the report is JSON, read back by --replot
 
 from pdserve.bench.metrics import RequestOutput, Slo, meets_slo
 from pdserve.bench.metrics import summarize as bench_summary
-from pdserve.bench.plots import _pyplot
+from pdserve.bench.plots import use_agg
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 ROLES = ("prefill", "decode")
 BIN_S = 10.0  # arrival rate bins
@@ -136,7 +139,9 @@ def draw(report: dict[str, Any], out: Path) -> None:
     text += f"{t['slo_ttft']:g} s, TPOT ≤ {t['slo_tpot']:g} s\n\n{table(report)}\n"
     out.with_suffix(".md").write_text(text)
     print(table(report))
-    plt = _pyplot()
+    use_agg()
+    import matplotlib.pyplot as plt
+
     arms = list(report["rounds"])
     fig, axes = plt.subplots(len(arms) + 1, 1, figsize=(10, 3.2 * (len(arms) + 1)))
     for ax, arm in zip(axes, arms, strict=False):
@@ -149,7 +154,7 @@ def draw(report: dict[str, Any], out: Path) -> None:
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.png')}")
 
 
-def _timeline(ax: Any, arm: str, r: dict[str, Any], trace: dict[str, Any]) -> None:
+def _timeline(ax: Axes, arm: str, r: dict[str, Any], trace: dict[str, Any]) -> None:
     knots = trace["knots"]
     ax.plot([k[0] for k in knots], [k[1] for k in knots], color="grey", label="trace rate")
     rates = r["arrivals_per_s"]
@@ -180,7 +185,7 @@ def _timeline(ax: Any, arm: str, r: dict[str, Any], trace: dict[str, Any]) -> No
     ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize="x-small", ncol=3, loc="upper left")
 
 
-def _bars(ax: Any, results: dict[str, dict[str, Any]]) -> None:
+def _bars(ax: Axes, results: dict[str, dict[str, Any]]) -> None:
     keys = (("attain_ttft", "TTFT"), ("attain_tpot", "TPOT"), ("attain_both", "both"))
     width = 0.8 / len(results)
     for i, (arm, r) in enumerate(results.items()):

@@ -30,7 +30,7 @@ class ServeProcess:
         log: Path | None = None,
         ready_timeout_s: float = 180.0,
     ) -> None:
-        from pdserve.launch.serve import pdserve_command
+        from pdserve.launch.worker_commands import pdserve_command
         from pdserve.runtime.sockets import free_port
 
         self.port = free_port()
@@ -62,7 +62,8 @@ class ServeProcess:
     def metrics(self) -> str:
         """The gateway's ``/metrics`` text now (worker figures as of their last heartbeat)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-            return r.read().decode()
+            body: bytes = r.read()  # urlopen's response is untyped
+            return body.decode()
 
     def stop(self) -> None:
         """SIGTERM (the roles drain), then kill after 60 s; idempotent."""

@@ -42,18 +42,18 @@ import math
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any  # bench rows and the report are JSON, read back from files
 
 ROOT = Path(__file__).resolve().parents[2]
 
 from pdserve.bench.experiments.cluster import ServeProcess  # noqa: E402
 from pdserve.bench.plots import plot_sweep  # noqa: E402
-from pdserve.launch.serve import pdserve_command  # noqa: E402
+from pdserve.launch.worker_commands import pdserve_command  # noqa: E402
 
 COLOCATED = "--mode=colocated"
 MODES = {
@@ -111,12 +111,6 @@ def default_out(name: str) -> Path:
     return ROOT / f"bench/results/disagg_vs_colocated{suffix}.json"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_flags(args: argparse.Namespace, model: str) -> list[str]:
     return [
         "--dataset=mixed",
@@ -139,7 +133,9 @@ def bench_flags(args: argparse.Namespace, model: str) -> list[str]:
     ]
 
 
-def run_mode(args: argparse.Namespace, model: str, mode: str, out: Path) -> tuple[list, dict]:
+def run_mode(
+    args: argparse.Namespace, model: str, mode: str, out: Path
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """The arm's bench rows, and its workers' steps as /metrics showed them at the end."""
     print(f"== {mode}: starting pdserve serve", flush=True)
     flags = ["--prefill=1", "--decode=1", "--pin", *MODES[mode]]
@@ -166,9 +162,9 @@ STEP_LINE = re.compile(
 )
 
 
-def worker_steps(metrics: str) -> dict:
+def worker_steps(metrics: str) -> dict[str, dict[str, float]]:
     """``{worker: {"kind:figure" | "over_target:reason" | "tpot_target_seconds": value}}``."""
-    found: dict = {}
+    found: dict[str, dict[str, float]] = {}
     for name, labels, value in STEP_LINE.findall(metrics):
         tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         key = name if "kind" not in tags and "reason" not in tags else None
@@ -179,7 +175,7 @@ def worker_steps(metrics: str) -> dict:
     return found
 
 
-def median_row(rounds: list[dict]) -> dict:
+def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One rate's row over rounds: the median of each figure, and each round's row."""
     numeric = [
         key
@@ -190,7 +186,7 @@ def median_row(rounds: list[dict]) -> dict:
     return merged | {"rounds": rounds}
 
 
-def offered(args: argparse.Namespace, rate: float) -> dict:
+def offered(args: argparse.Namespace, rate: float) -> dict[str, float]:
     """The load at ``rate`` by the model's shipped profile: prompt work in core-seconds a
     second, and streams in flight were each token to take the SLO's TPOT."""
     from pdserve.coordinator.profile import shipped_profile
@@ -216,7 +212,7 @@ TABLE = (  # (key, heading, format)
 )
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     modes = [mode for mode in MODES if mode in rows[0]]
     names = " / ".join(modes)
     lines = [
@@ -247,7 +243,7 @@ WORKLOAD_KEYS = (
 )
 
 
-def draw(report: dict, png: Path) -> None:
+def draw(report: dict[str, Any], png: Path) -> None:
     w = report["workload"]
     title = (
         f"mixed workload, {report['model']} model, 2 cores: streams {w['stream_input_len']}→"
@@ -274,8 +270,9 @@ def main() -> int:
     if unknown := [a for a in arms if a not in MODES]:
         raise SystemExit(f"unknown arms {unknown}: choose from {list(MODES)}")
     load_before = os.getloadavg()
-    runs: dict[str, list[list[dict]]] = {m: [] for m in arms}  # arm -> rounds -> rows by rate
-    steps: dict[str, list[dict]] = {m: [] for m in arms}
+    # arm -> rounds -> rows by rate
+    runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in arms}
+    steps: dict[str, list[dict[str, dict[str, float]]]] = {m: [] for m in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):  # the arms alternate: a slow spell hits each alike
             for mode in arms:
@@ -298,7 +295,7 @@ def main() -> int:
     machine = {"cpus": os.cpu_count(), "loadavg_before": load_before}
     machine["loadavg_after"] = os.getloadavg()
     workload = {key: getattr(args, key) for key in WORKLOAD_KEYS}
-    report = {"command": command, "bench_command": bench_cmd, "model": model_name}
+    report: dict[str, Any] = {"command": command, "bench_command": bench_cmd, "model": model_name}
     report |= {"workload": workload, "machine": machine, "rows": rows, "steps": steps}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")

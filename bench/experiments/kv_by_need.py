@@ -24,12 +24,13 @@ import re
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-from bench.experiments.cluster import ServeProcess
+from pdserve.bench.experiments.cluster import ServeProcess
 
 RUNNING = re.compile(r'^pdserve_requests_running\{role="(?:decode|both)"[^}]*\} (\S+)$', re.M)
 PREEMPTED = re.compile(r"^pdserve_worker_preemptions_total\{[^}]*\} (\S+)$", re.M)
@@ -41,7 +42,7 @@ WORDS = [
 
 
 @contextmanager
-def python_path(tree: str | None):
+def python_path(tree: str | None) -> Iterator[None]:
     old = os.environ.get("PYTHONPATH")
     if tree:
         os.environ["PYTHONPATH"] = tree
@@ -54,7 +55,9 @@ def python_path(tree: str | None):
             os.environ["PYTHONPATH"] = old
 
 
-async def crowd(url: str, model: str, args: argparse.Namespace, stop_ids: list[int]) -> dict:
+async def crowd(
+    url: str, model: str, args: argparse.Namespace, stop_ids: list[int]
+) -> dict[str, float]:
     rng = random.Random(0)
     prompts = [
         " ".join(
@@ -100,7 +103,9 @@ async def crowd(url: str, model: str, args: argparse.Namespace, stop_ids: list[i
     }
 
 
-def one_run(arm: str, tree: str | None, args: argparse.Namespace, stop_ids: list[int]) -> dict:
+def one_run(
+    arm: str, tree: str | None, args: argparse.Namespace, stop_ids: list[int]
+) -> dict[str, float]:
     flags = [f"--kv-cache-memory={args.kv_cache_memory}", *args.flags.split()]
     with python_path(tree):
         cluster = ServeProcess(args.model, flags)
@@ -155,7 +160,7 @@ def main() -> None:
     stop_ids = sorted({tok.encode(s, add_special_tokens=False)[-1] for s in STOPS})
     arms = [("after", args.after_tree)]
     arms += [("before", args.before_tree)] if args.before_tree else []
-    results: dict[str, list[dict]] = {arm: [] for arm, _ in arms}
+    results: dict[str, list[dict[str, float]]] = {arm: [] for arm, _ in arms}
     for r in range(args.rounds):
         for arm, tree in arms if r % 2 == 0 else reversed(arms):
             results[arm].append(one_run(arm, tree, args, stop_ids))

@@ -40,12 +40,13 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any  # a run's row is JSON, as the report file holds it
 
 ROOT = Path(__file__).resolve().parents[2]
 
 from pdserve.bench.experiments.cluster import ServeProcess  # noqa: E402
 from pdserve.bench.experiments.kv_routing_report import ARMS, summary, write  # noqa: E402
-from pdserve.launch.serve import pdserve_command  # noqa: E402
+from pdserve.launch.worker_commands import pdserve_command  # noqa: E402
 
 TURN_KEYS = (
     "median_ttft_ms",
@@ -127,7 +128,8 @@ def bench_flags(args: argparse.Namespace, model: str, seed: int) -> list[str]:
 
 def metrics(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        return r.read().decode()
+        body: bytes = r.read()  # urlopen's response is untyped
+        return body.decode()
 
 
 def routing_decisions(text: str) -> dict[str, float]:
@@ -156,7 +158,7 @@ def settled_metrics(url: str, timeout: float = 15.0) -> str:
     return text
 
 
-def run_arm(args: argparse.Namespace, model: str, arm: str, seed: int, out: Path) -> dict:
+def run_arm(args: argparse.Namespace, model: str, arm: str, seed: int, out: Path) -> dict[str, Any]:
     print(f"== {arm} (seed {seed}): starting pdserve serve", flush=True)
     flags = ["--prefill=2", "--decode=2", "--pin", f"--routing={arm}"]
     flags += [f"--max-local-prefill-tokens={args.max_local_prefill_tokens}", *args.serve_flag]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any  # the report is JSON, read back from its file by --replot
 
 ARMS = ("kv", "load")
 FIGURES = (  # (key in a run's figures, label, format)
@@ -19,7 +20,7 @@ FIGURES = (  # (key in a run's figures, label, format)
 )
 
 
-def summary(runs: list[dict]) -> dict[str, dict[str, float]]:
+def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Each arm's median of each figure over its runs."""
     return {
         arm: {
@@ -29,7 +30,7 @@ def summary(runs: list[dict]) -> dict[str, dict[str, float]]:
     }
 
 
-def table(report: dict) -> str:
+def table(report: dict[str, Any]) -> str:
     med = report["median"]
     lines = [
         "| figure (median over rounds) | kv | load | load / kv |",
@@ -56,7 +57,7 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def draw(report: dict, png: Path) -> None:
+def draw(report: dict[str, Any], png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +90,7 @@ def draw(report: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def write(report: dict, out: Path) -> None:
+def write(report: dict[str, Any], out: Path) -> None:
     md = out.with_suffix(".md")
     loads = [x[0] for r in report["runs"] for x in r["loadavg"]]
     noise = (

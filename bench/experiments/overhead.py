@@ -51,7 +51,7 @@ def in_process(model: str, prompts: list[list[int]], output_len: int, threads: i
     return sum(len(o.new_token_ids) for o in outs) / elapsed
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> int:
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> int:
     tokens = 0
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
@@ -66,7 +66,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> int:
 async def through_http(base: str, model: str, prompts: list[list[int]], output_len: int) -> float:
     url = f"{base}/v1/completions"
 
-    def body(p: list[int], n: int) -> dict:
+    def body(p: list[int], n: int) -> dict[str, object]:
         return {
             "model": model,
             "prompt": p,

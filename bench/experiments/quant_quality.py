@@ -42,7 +42,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any  # the summary is JSON: values of every type, read by key
 
 import torch
 

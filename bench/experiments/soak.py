@@ -49,15 +49,16 @@ def roles(serve_pid: int) -> dict[str, int]:
     out = subprocess.run(
         ["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True
     ).stdout
-    found = {}
+    found: dict[str, int] = {}
     for line in out.splitlines():
         pid, ppid, *args = line.split()
         if int(ppid) != serve_pid:
             continue
         wid = next((a.split("=", 1)[1] for a in args if a.startswith("--worker-id=")), None)
         role = next((a for a in args if a in ("coordinator", "gateway")), None)
-        if wid or role:
-            found[wid or role] = int(pid)
+        name = wid or role
+        if name:
+            found[name] = int(pid)
     return found
 
 
@@ -77,7 +78,12 @@ def used_blocks(base: str) -> dict[str, float]:
 
 
 async def client(
-    base: str, model: str, stop_at: float, rng: random.Random, tally: Counter, hang_after: float
+    base: str,
+    model: str,
+    stop_at: float,
+    rng: random.Random,
+    tally: Counter[str],
+    hang_after: float,
 ) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after)) as http:
         while time.monotonic() < stop_at:
@@ -118,8 +124,8 @@ async def _read(r: httpx.Response, give_up: bool, rng: random.Random) -> str:
     return "stream ended without [DONE]"
 
 
-async def load(base: str, model: str, args: argparse.Namespace, serve_pid: int) -> Counter:
-    tally: Counter = Counter()
+async def load(base: str, model: str, args: argparse.Namespace, serve_pid: int) -> Counter[str]:
+    tally: Counter[str] = Counter()
     start = time.monotonic()
     stop_at = start + args.duration
     rng = random.Random(args.seed)

@@ -25,6 +25,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any  # an arm's row is JSON: figures, lists and the worker's steps
 
 import httpx
 import numpy as np
@@ -85,7 +86,7 @@ class Stream(threading.Thread):
         return self.times[0] if self.times else None
 
 
-def one_arm(args: argparse.Namespace, url: str, model: str, seed: int) -> dict:
+def one_arm(args: argparse.Namespace, url: str, model: str, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     streams = [Stream(url, model, tokens(32, rng), 4000) for _ in range(args.streams)]
     for s in streams:
@@ -128,7 +129,7 @@ def main() -> int:
         "stall-free": [f"--tpot-target-ms={args.tpot_target_ms:g}"],
         "stall": ["--tpot-target-ms=0"],
     }
-    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for rnd in range(args.rounds):
         for arm, flags in arms.items():
             flags = ["--mode=colocated", "--prefill=0", "--decode=1", *flags]

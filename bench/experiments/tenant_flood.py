@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any  # rounds and the report are JSON: values of every type
 
 import httpx
 

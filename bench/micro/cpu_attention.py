@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVarTuple
 
 import torch
 
@@ -30,6 +32,7 @@ from pdserve.engine.model_runner import ModelRunner, StepInputs
 
 DEFAULT_MODEL = Path.home() / ".cache/pdserve/models/smollm2-135m-instruct"
 CPU = torch.device("cpu")
+Args = TypeVarTuple("Args")
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,14 +61,20 @@ def decode_batch(
     return ids, [pos] * batch, tables, slots
 
 
-def timed(fn, *args, iters: int) -> float:
+def timed(fn: Callable[[*Args], object], *args: *Args, iters: int) -> float:
     start = time.perf_counter()
     for _ in range(iters):
         fn(*args)
     return (time.perf_counter() - start) / iters
 
 
-def measure(runner: ModelRunner, paths: dict, batch: int, context: int, args) -> list[float]:
+def measure(
+    runner: ModelRunner,
+    paths: dict[str, TorchAttentionBackend],
+    batch: int,
+    context: int,
+    args: argparse.Namespace,
+) -> list[float]:
     """Medians over rounds: [attention µs torch, kernel, step ms torch, kernel]."""
     bs, mcfg = args.block_size, runner.model.config
     heads, kv_heads, dim = mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from pdserve.engine.config import QUANTIZATIONS, CacheConfig, EngineConfig, Sche
 from pdserve.engine.engine import LLMEngine
 from pdserve.models.store import DEFAULT_MODEL, resolve_model
 from pdserve.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin  # imported when a run needs it: it is slow
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,15 +53,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
+def run_engine(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int
+) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     return time.perf_counter() - start, [o.new_token_ids for o in outs]
 
 
-def run_transformers(model, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
-    tokens = []
+def run_transformers(
+    model: GenerationMixin, prompts: list[list[int]], output_len: int
+) -> tuple[float, list[list[int]]]:
+    tokens: list[list[int]] = []
     start = time.perf_counter()
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -95,7 +103,8 @@ def bench_model(model_dir: str, args: argparse.Namespace) -> None:
             scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
         )
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.train(False)  # eval(), which transformers leaves unannotated
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     # warm both up once

@@ -123,7 +123,7 @@ def step_frames(k: int, streams: int, tokens: int, ids: list[int]) -> list[bytes
             token_ids=[ids[k]],
             logprobs=None,
             finished=last,
-            finish_reason="length" if last else None,
+            finish_reason=m.FinishReason.LENGTH if last else None,
             num_prompt_tokens=3,
             num_cached_tokens=0,
         )

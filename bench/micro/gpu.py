@@ -81,7 +81,7 @@ def run_sections(table: dict[str, Row], caps: dict[str, tuple[bool, str]]) -> No
     """Each section fills its rows; one that raises marks its unfilled rows as errors."""
     from pdserve.bench.micro import gpu_attention, gpu_model, gpu_serving
 
-    work: dict[str, object] = {}
+    work: dict[str, float] = {}  # figures a section leaves for later ones
     sections: list[tuple[list[str], Callable[[], dict[str, str]]]] = [
         (["copy_bw", "matmul"], lambda: gpu_model.peaks(work)),
         (["attention"], gpu_attention.attention_errors),

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any  # config.json's fields (LLAMA3_8B)
 from unittest import mock
 
 import torch
@@ -24,10 +25,12 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model import CausalLM
 from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.scheduler import RequestId
 from pdserve.protocol.sampling import SamplingParams
 
 DEV = torch.device("cuda")
-LLAMA3_8B = {
+# config.json's fields, values of every JSON type (also ``LlamaConfig``'s keyword arguments)
+LLAMA3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": 128256,
@@ -54,16 +57,19 @@ def timed(fn: Callable[[], object], iters: int = 10) -> float:
     """Seconds per call on the GPU (after two warm-up calls), by CUDA events."""
     for _ in range(2):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # torch.cuda.Event's __init__ is unannotated
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    ms: float = start.elapsed_time(end)  # its result is unannotated too
+    return ms / 1e3 / iters
 
 
-def peaks(work: dict) -> dict[str, str]:
+def peaks(work: dict[str, float]) -> dict[str, str]:
     """Copy bandwidth (DRAM traffic: read + write) and the bf16 matmul rate."""
     size = 2 * 2**30
     t = _copy_seconds(size)
@@ -89,9 +95,18 @@ def _copy_seconds(size: int) -> float:
 # ---- the 8B-shaped engine ------------------------------------------------------------------------
 
 
-def _random_model(path, dtype, device, max_positions) -> CausalLM:
-    """Stands in for engine.loader.load_model: same shapes, random bf16 weights, on the GPU."""
+def _random_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    quantization: str = "auto",
+    group_size: int = 32,
+) -> CausalLM:
+    """Stands in for engine.loader.load_model (its signature): same shapes, random bf16 weights,
+    on the GPU; ``dtype`` and the quantization are not used."""
     cfg = ModelConfig.from_dir(path)
+    max_positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     model = model.to_empty(device=device).to(torch.bfloat16)
@@ -134,7 +149,7 @@ def _decode_steps(engine: LLMEngine, batch: int, steps: int, seed: int) -> list[
     ids = [f"d{seed}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, _prompts(batch, DECODE_CONTEXT, seed), strict=True):
         engine.add_request(rid, prompt, params)
-    started: set[str] = set()
+    started: set[RequestId] = set()
     while len(started) < batch:  # prefill every row (several steps of 4,096 tokens)
         started |= {o.request_id for o in engine.step() if o.new_token_ids}
     for _ in range(3):
@@ -169,7 +184,7 @@ def _host_syncs(engine: LLMEngine) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def llama8b_rows(work: dict) -> dict[str, str]:
+def llama8b_rows(work: dict[str, float]) -> dict[str, str]:
     rows, ours = _engine_rows(work["dram_bw"], work["matmul"])
     gc.collect()  # the engine is gone: its weights, KV cache and graphs make room for HF's
     torch.cuda.empty_cache()
@@ -246,7 +261,8 @@ def _transformers_seconds() -> float:
     torch.set_default_dtype(torch.bfloat16)  # parameters made in bf16, on the GPU
     try:
         with torch.device(DEV):
-            model = LlamaForCausalLM(LlamaConfig(**fields)).eval()
+            model = LlamaForCausalLM(LlamaConfig(**fields))
+            model.train(False)  # eval(), which transformers leaves unannotated
     finally:
         torch.set_default_dtype(before)
     ids = torch.tensor(_prompts(1, HF_PROMPT, 5), device=DEV)

@@ -14,7 +14,9 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, Protocol  # the server's answers are JSON, read by key
 
 import torch
 
@@ -35,17 +37,19 @@ GREEDY_PROMPTS, GREEDY_TOKENS = [5, 17, 64, 200, 333, 512, 1000, 2048], 32
 # ---- the cluster -----------------------------------------------------------------------------
 
 
-def _get(url: str, timeout: float = 5.0) -> dict:
+def _get(url: str, timeout: float = 5.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+        answer: dict[str, Any] = json.loads(r.read())
+    return answer
 
 
-def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
+def _post(url: str, body: dict[str, object], timeout: float = 300.0) -> dict[str, Any]:
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"content-type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+        answer: dict[str, Any] = json.loads(r.read())
+    return answer
 
 
 def serving_rows() -> dict[str, str]:
@@ -99,7 +103,7 @@ def _greedy_row(url: str, model: Path) -> str:
 
 
 def _bench_row(url: str, model: Path, out: Path) -> str:
-    from pdserve.launch.serve import pdserve_command
+    from pdserve.launch.worker_commands import pdserve_command
 
     cmd = [*pdserve_command(), "bench", f"--base-url={url}", "--num-prompts=64"]
     cmd += ["--random-input-len=512", "--random-output-len=128", "--max-concurrency=16"]
@@ -121,7 +125,13 @@ BLOCK = (2, 16, 8, 128)
 DEVICE = "cuda"
 
 
-def _layer(make) -> torch.Tensor:
+class _Factory(Protocol):
+    """``torch.zeros``, ``torch.empty``: a tensor of a shape, dtype and device."""
+
+    def __call__(self, *size: int, dtype: torch.dtype, device: str) -> torch.Tensor: ...
+
+
+def _layer(make: _Factory) -> torch.Tensor:
     return make(BLOCKS, *BLOCK, dtype=torch.bfloat16, device=DEVICE)
 
 
@@ -132,7 +142,7 @@ def _pattern(layers: list[torch.Tensor]) -> None:
         layer.copy_(values.view(-1, 1, 1, 1, 1).expand_as(layer).to(layer.dtype))
 
 
-def _receiver_main(conn, backend: str, device: int) -> None:
+def _receiver_main(conn: Connection, backend: str, device: int) -> None:
     """Child process: a KV cache and a receiver; expects and checks what the parent sends."""
     from pdserve.kvtransfer import make_receiver
 
@@ -180,8 +190,8 @@ def _transfers(backend: str, receiver_device: int) -> list[tuple[str, float, boo
             torch.cuda.synchronize()
         g = torch.Generator().manual_seed(0)
         # nixl registers the cache it offers from and loads the reader's regions up front
-        options = {"kv_layers": src} if backend == "nixl" else {}
-        with make_sender(backend, **options) as sender:
+        sender = make_sender("nixl", kv_layers=src) if backend == "nixl" else make_sender(backend)
+        with sender:
             if receiver_peers:
                 sender.update_peers(peers_of(receiver_peers), [])
             conn.send(regions_frames("prefill", sender))
@@ -229,7 +239,7 @@ def _rate_row(results: list[tuple[str, float, bool]], copy_rate: float | None) -
     return f"{', '.join(parts)} ({nbytes >> 20} MiB, {right})"
 
 
-def nixl_bandwidth(work: dict) -> dict[str, str]:
+def nixl_bandwidth(work: dict[str, float]) -> dict[str, str]:
     results = _transfers("nixl", torch.cuda.current_device())
     return {"nixl_bw": _rate_row(results, work.get("copy_rate"))}
 

@@ -26,7 +26,6 @@ import contextlib
 import faulthandler
 import json
 import multiprocessing
-import queue
 import signal
 import statistics
 import sys
@@ -37,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any  # pipe messages and the figures are JSON
 
 import torch
 
@@ -106,8 +105,10 @@ def serve_receiver(conn: Connection, transport: str, keys: str, checksum: bool) 
         if transport == "zmq+curve":
             ctx = SecureContext(Security.load(keys, "d"))
         dst = [torch.ones((DST_BLOCKS, *BLOCK)) for _ in range(LAYERS)]  # every page written
-        backend, options = ("nixl", {}) if transport == "nixl" else ("zmq", {"ctx": ctx})
-        receiver = make_receiver(backend, dst, require_checksum=checksum, **options)
+        if transport == "nixl":
+            receiver = make_receiver("nixl", dst, require_checksum=checksum)
+        else:
+            receiver = make_receiver("zmq", dst, require_checksum=checksum, ctx=ctx)
         put(conn, {"address": receiver.address}, regions_frames("recv", receiver))
         serve(conn, receiver)
     except Exception:
@@ -123,8 +124,6 @@ def serve_receiver(conn: Connection, transport: str, keys: str, checksum: bool) 
 
 def serve(conn: Connection, receiver: KVReceiver) -> None:
     """Answer the parent: load peers; expect a round's transfers, report when they are over."""
-    finished: queue.SimpleQueue[tuple[str, KVPoll]] = queue.SimpleQueue()
-    receiver.notify(lambda rid, state: finished.put((rid, state)))
     cursor = 0  # the next destination block
     while True:
         msg, frames = get(conn, None)
@@ -140,24 +139,30 @@ def serve(conn: Connection, receiver: KVReceiver) -> None:
             cursor = (cursor + blocks) % DST_BLOCKS
             transfers.append((rid, receiver.expect(rid, dst, TIMEOUT_S).hex(), dst))
         put(conn, {"transfers": transfers})
-        states = [next_finished(conn, finished) for _ in transfers]
+        states = final_states(conn, receiver, [rid for rid, _, _ in transfers])
         failed = [f"{r}: {receiver.failure_reason(r)}" for r, st in states if st is not KVPoll.DONE]
         put(conn, {"failed": failed})
         for rid, _, _ in transfers:
             receiver.release(rid)
 
 
-def next_finished(conn: Connection, finished: queue.SimpleQueue[Any]) -> tuple[str, KVPoll]:
-    """The next transfer to finish; the parent says nothing mid-round: a readable pipe means it
-    went away (so a receiver never outlives it by a transfer's timeout)."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        with contextlib.suppress(queue.Empty):
-            rid, state = finished.get(timeout=0.05)
-            return rid, state
-        if conn.poll(0):
-            raise EOFError("the parent went away mid-round")
-    raise TimeoutError(f"no transfer finished in {TIMEOUT_S:.0f} s")
+def final_states(
+    conn: Connection, receiver: KVReceiver, request_ids: list[str]
+) -> list[tuple[str, KVPoll]]:
+    """Each transfer's final state, polled in the order they were sent (a receiver has no
+    callback: ``notify`` is a sender's); the parent says nothing mid-round: a readable pipe
+    means it went away (so a receiver never outlives it by a transfer's timeout)."""
+    states = []
+    for rid in request_ids:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (state := receiver.poll(rid)).finished:
+            if conn.poll(0):
+                raise EOFError("the parent went away mid-round")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer {rid} did not finish in {TIMEOUT_S:.0f} s")
+            time.sleep(0.001)
+        states.append((rid, state))
+    return states
 
 
 @dataclass

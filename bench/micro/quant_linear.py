@@ -27,6 +27,7 @@ from pdserve.engine.quant.weights import quantize_int4, quantize_int8
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 HEAD = (49152, 576)
+Linear = Callable[[torch.Tensor], torch.Tensor]  # [T, in] -> [T, out]
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,27 +40,37 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def layer_set(layers: int, group: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+def onednn_linear(packed: torch.Tensor) -> Linear:
+    """fp32 through oneDNN with a weight ``_reorder_linear_weight`` packed."""
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        # torch.ops calls are untyped
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
+
+    return linear
+
+
+def layer_set(layers: int, group: int) -> dict[str, list[Linear]]:
     """path -> one callable per layer (fp32 packed for oneDNN, int8, int4)."""
     g = torch.Generator().manual_seed(0)
     shapes = LAYER * layers + [HEAD]
-    paths: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+    paths: dict[str, list[Linear]] = {
         "fp32": [],
         "int8": [],
         f"int4-g{group}": [],
     }
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.05
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        paths["fp32"].append(
-            lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-        )
+        paths["fp32"].append(onednn_linear(torch.ops.mkldnn._reorder_linear_weight(w)))
         paths["int8"].append(QuantLinear(quantize_int8(w), None))
         paths[f"int4-g{group}"].append(QuantLinear(quantize_int4(w, group), None))
     return paths
 
 
-def time_paths(paths: dict, layers: int, batch: int, rounds: int) -> dict[str, float]:
+def time_paths(
+    paths: dict[str, list[Linear]], layers: int, batch: int, rounds: int
+) -> dict[str, float]:
     """Median ms of one pass over the set per path, the paths alternating within a round."""
     xs = {k: torch.randn(batch, k) for k in {k for _, k in [*LAYER, HEAD]}}
     inputs = [xs[k] for _, k in LAYER * layers + [HEAD]]

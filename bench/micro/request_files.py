@@ -44,6 +44,10 @@ import time
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any  # the result is JSON, read by key
+
+if TYPE_CHECKING:  # coverage is imported where it is used: only this script needs it
+    from coverage.python import PythonParser
 
 PACKAGE_DIRS = (
     "engine",
@@ -110,7 +114,8 @@ def free_port() -> int:
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
+            status: int = r.status  # urlopen's response is untyped
+            return status == 200
     except OSError:
         return False
 
@@ -323,12 +328,13 @@ def statements(path: str, lines: Iterable[int]) -> set[int]:
         if parser is None:
             parser = _PARSERS[path] = PythonParser(filename=path)
             parser.parse_source()
-        return parser.first_lines(lines) & parser.statements
+        found: set[int] = parser.first_lines(lines) & parser.statements
+        return found
     except Exception:  # coverage's parser is not public API: keep the raw lines then
         return set(lines)
 
 
-_PARSERS: dict[str, object] = {}
+_PARSERS: dict[str, PythonParser] = {}
 
 
 def relative(repo: Path, path: str) -> str | None:
@@ -366,7 +372,7 @@ def intersect(runs: list[dict[str, set[int]]]) -> dict[str, set[int]]:
 
 def measure(
     repo: Path, python: Path, repeats: int, idle_s: float, ready_timeout: float, keep: bool
-) -> dict:
+) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="request-files-"))
     runs: list[Run] = []
     stopping: list[int] = []
@@ -423,7 +429,7 @@ def measure(
                 )
 
         # the brief's count: every role's lines merged per run
-        base = {}
+        base: dict[str, set[int]] = {}
         for r in a_runs:
             for f, lines in merged(r).items():
                 base.setdefault(f, set()).update(lines)

@@ -18,9 +18,12 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 import pdserve.engine.sampler as sampler_module
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.scheduler import Sequence
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.models.store import DEFAULT_MODEL, resolve_model
 from pdserve.protocol.messages import StructuredSpec
@@ -59,7 +62,7 @@ class Timed:
         self._apply = sampler_module.apply_constraints
 
     def __enter__(self) -> Timed:
-        def apply(logits, seqs):
+        def apply(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             start = time.perf_counter()
             self._apply(logits, seqs)
             self.seconds += time.perf_counter() - start
@@ -71,12 +74,15 @@ class Timed:
         sampler_module.apply_constraints = self._apply
 
 
-def decode_steps(engine: LLMEngine, params: list[SamplingParams], prompts, tag: str):
+def decode_steps(
+    engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]], tag: str
+) -> tuple[list[float], int]:
     """Prefill every prompt, then time each decode step that advances every stream (the
     tail, where streams have finished, is left out so both sides compare full batches)."""
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"{tag}-{i}", prompt, p)
-    steps, tokens = [], 0
+    steps: list[float] = []
+    tokens = 0
     while engine.has_unfinished():
         start = time.perf_counter()
         outs = engine.step()
@@ -109,7 +115,8 @@ def main() -> None:
     )[0]
     length = probe.num_output_tokens
     print(f"model {Path(model_dir).name}, {args.concurrency} streams, {length} output tokens each")
-    rows = {"free": [], "constrained": []}
+    # side -> each round's (median step s, streams a step)
+    rows: dict[str, list[tuple[float, float]]] = {"free": [], "constrained": []}
     shares = []
     for r in range(args.rounds):
         free = [

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any  # bench results and the report are JSON: values of every type
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any  # the report is JSON, read back from its file
 
 from pdserve.bench.experiments.peers.mbu import mbu
 
