@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.kv_memory import DEFAULT_SHARE
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -162,7 +164,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # on a CPU with neither set: this share of the machine's memory (engine/kv_memory.py)
-    cpu_memory_share: float = 0.40
+    cpu_memory_share: float = DEFAULT_SHARE
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -318,11 +318,6 @@ class EngineStatus:
         return self._lengths.expected_output()
 
     @property
-    def max_seq_tokens(self) -> int:
-        """The most tokens one sequence may have here: the context, or the whole cache."""
-        return self._lengths.max_seq_tokens
-
-    @property
     def preemptions(self) -> int:
         """Sequences whose blocks were taken back to be recomputed, since start."""
         return self._scheduler.preemptions

@@ -51,11 +51,6 @@ class OutputLengths:
         """A sequence ended by a stop or its length after ``num_output_tokens`` tokens."""
         self._lengths.append(num_output_tokens)
 
-    @property
-    def learned(self) -> int:
-        """Finished lengths in the window."""
-        return len(self._lengths)
-
     def remaining(self, num_output: int, max_tokens: int, num_tokens: int) -> int:
         """Tokens a sequence with ``num_output`` of ``max_tokens`` output tokens (``num_tokens``
         in all) is expected to add still."""

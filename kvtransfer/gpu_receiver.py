@@ -35,7 +35,7 @@ from pdserve.kvtransfer.base import (
     check_layouts,
 )
 from pdserve.kvtransfer.table import Reservations, TransferTable, secret_matches
-from pdserve.kvtransfer.threads import ReceiverThread
+from pdserve.kvtransfer.threads import LoopThread
 from pdserve.protocol.checks import ProtocolError
 from pdserve.protocol.roles import Receiver
 from pdserve.runtime.gate import RoleGate
@@ -124,7 +124,7 @@ class GpuKVReceiver(KVReceiver):
         self._stream = self._side_stream()
         self._table = TransferTable(f"{self.backend} receiver")
         self._reservations = Reservations(self._table, kv_layers[0].shape[0])
-        self._thread = ReceiverThread(f"kv-{self.backend}-receiver")
+        self._thread = LoopThread(f"kv-{self.backend}-receiver")
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
         self.gate = RoleGate(security_of(self._ctx), Receiver.KV)  # prefill keys only

@@ -22,7 +22,7 @@ from pdserve.kvtransfer.base import DEFAULT_TIMEOUT_S, KVPoll, KVReceiver
 from pdserve.kvtransfer.nixl_agent import NixlAgent
 from pdserve.kvtransfer.nixl_backend import ADDRESS_PREFIX, BUSY_S, IDLE_S, message, single_frame
 from pdserve.kvtransfer.table import Entry, Reservations, TransferTable, secret_matches
-from pdserve.kvtransfer.threads import ReceiverThread
+from pdserve.kvtransfer.threads import LoopThread
 from pdserve.protocol.control import KVRegions
 from pdserve.protocol.messages import KVHeader, ProtocolError
 from pdserve.protocol.transfer import KVAck
@@ -76,7 +76,7 @@ class NixlKVReceiver(KVReceiver):
         self._reservations = Reservations(self._table, self._nixl.num_blocks)
         self._streams: dict[str, _Stream] = {}  # transfers offered, by request id
         self._unready: list[tuple[str, bytes]] = []  # offers from peers not loaded yet
-        self._thread = ReceiverThread("kv-nixl-receiver")
+        self._thread = LoopThread("kv-nixl-receiver")
         self._thread.start(self._run)
 
     @property

@@ -1,5 +1,6 @@
-"""The background thread each backend runs, as a part it holds: ``SenderThread`` (with the
-queue of jobs the caller fills and the socketpair that wakes it) and ``ReceiverThread``.
+"""The background thread each backend runs, as a part it holds: ``LoopThread`` (a receiver's:
+its loop waits on its own socket or agent) and ``SenderThread`` (a ``LoopThread`` with the
+queue of jobs the caller fills and the socketpair that wakes it).
 
 A backend builds its parts, then calls ``start(self._run)`` last; ``_run`` is the backend's
 loop, which runs until ``stop`` (``close``)::
@@ -23,15 +24,12 @@ from typing import Generic, TypeVar
 JobT = TypeVar("JobT")
 
 
-class SenderThread(Generic[JobT]):
-    """A sender's thread, its job queue and the socketpair that wakes it when a job (or
-    ``stop``) comes; the jobs are the backend's."""
+class LoopThread:
+    """A thread running a backend's loop until ``stop``; the loop checks ``running`` (or sleeps
+    in ``idle``) between its polls, so ``stop`` ends it within one of them."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[JobT] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -41,11 +39,48 @@ class SenderThread(Generic[JobT]):
 
     @property
     def running(self) -> bool:
-        """False once ``stop`` was asked (a closed sender takes no more jobs)."""
+        """False once ``stop`` was asked."""
         return not self._stop.is_set()
+
+    def idle(self, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s``, cut short by ``stop``; whether to go on."""
+        return not self._stop.wait(timeout_s)
+
+    def stop(self, wake: Callable[[], None] = lambda: None) -> bool:
+        """End (``wake``: rouse a loop asleep elsewhere) and join the thread; False if that was
+        done already (``close`` is idempotent)."""
+        if self._stop.is_set():
+            return False
+        self._stop.set()
+        wake()
+        if self._thread is not None:
+            self._thread.join()
+        return True
+
+
+class SenderThread(Generic[JobT]):
+    """A sender's loop thread, its job queue and the socketpair that wakes it when a job (or
+    ``stop``) comes; the jobs are the backend's."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = LoopThread(name)
+        self._jobs: queue.SimpleQueue[JobT] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+
+    def start(self, run: Callable[[], None]) -> None:
+        self._loop.start(run)
+
+    @property
+    def running(self) -> bool:
+        """False once ``stop`` was asked (a closed sender takes no more jobs)."""
+        return self._loop.running
 
     def put(self, job: JobT) -> None:
         self._jobs.put(job)
+        self._wake()
+
+    def _wake(self) -> None:
         self._wake_w.send(b"\0")
 
     def wait(self, timeout_s: float) -> None:
@@ -68,43 +103,8 @@ class SenderThread(Generic[JobT]):
 
     def stop(self) -> bool:
         """End and join the thread; False if that was done already (``close`` is idempotent)."""
-        if self._stop.is_set():
+        if not self._loop.stop(wake=self._wake):
             return False
-        self._stop.set()
-        self._wake_w.send(b"\0")
-        if self._thread is not None:
-            self._thread.join()
         self._wake_r.close()
         self._wake_w.close()
-        return True
-
-
-class ReceiverThread:
-    """A receiver's thread; its loop waits on the backend's own socket or agent, so ``stop``
-    ends it within one of the loop's polls."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, run: Callable[[], None]) -> None:
-        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return not self._stop.is_set()
-
-    def idle(self, timeout_s: float) -> bool:
-        """Sleep up to ``timeout_s``, cut short by ``stop``; whether to go on."""
-        return not self._stop.wait(timeout_s)
-
-    def stop(self) -> bool:
-        """End and join the thread; False if that was done already (``close`` is idempotent)."""
-        if self._stop.is_set():
-            return False
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
         return True

@@ -32,7 +32,7 @@ from pdserve.kvtransfer.base import (
 )
 from pdserve.kvtransfer.faults import FaultDice, FaultPlan
 from pdserve.kvtransfer.table import JobGate, Reservations, TransferTable, gate
-from pdserve.kvtransfer.threads import ReceiverThread, SenderThread
+from pdserve.kvtransfer.threads import LoopThread, SenderThread
 from pdserve.protocol.messages import KVHeader, ProtocolError, decode, encode
 from pdserve.protocol.roles import Receiver
 from pdserve.runtime.gate import RoleGate
@@ -196,7 +196,7 @@ class ZmqKVReceiver(KVReceiver):
         num_blocks = kv_layers[0].shape[0]
         self._table = TransferTable("zmq receiver")
         self._reservations = Reservations(self._table, num_blocks)
-        self._thread = ReceiverThread("kv-zmq-receiver")
+        self._thread = LoopThread("kv-zmq-receiver")
         self._ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
         self.gate = RoleGate(security_of(self._ctx), Receiver.KV)  # prefill keys only
