@@ -89,9 +89,15 @@ class DecodeWorker(Worker[DecodeRecord]):
         if self.receiver is not None:
             # the KV of the prompt fills the leading blocks; the last one is for token 0 on
             prompt_blocks = blocks_for(len(msg.prompt_token_ids), block_size)
-            secret = self.receiver.expect(
-                transfer_id(key), ids[cached:prompt_blocks], self.transfer_timeout_s
-            )
+            try:  # a tensor-parallel group's KV lands in staging blocks first: the sender
+                # addresses those (the ids it is given are where it writes)
+                dst = self.engine.handoff.incoming(key, ids[cached:prompt_blocks])
+            except NoFreeBlocks as e:
+                self.engine.handoff.cancel_reservation(key)
+                self._answer(msg, error=str(e))
+                return
+            secret = self.receiver.expect(transfer_id(key), dst, self.transfer_timeout_s)
+            ids = ids[:cached] + dst + ids[prompt_blocks:]
         self.records[key] = record
         self._answer(msg, ids, secret=secret, cached_blocks=cached)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -33,6 +33,9 @@ from pdserve.protocol.blocks import blocks_for, full_blocks
 # the coordinator hashes prompts the same way to route them (coordinator/kv_index.py)
 from pdserve.protocol.prefix import block_hashes as block_hashes
 from pdserve.protocol.prefix import hash_block as hash_block
+
+if TYPE_CHECKING:
+    from pdserve.engine.tp.group import TPGroup
 
 
 class CacheEvents(Protocol):
@@ -229,15 +232,29 @@ class KVCache:
 
     layers: list[torch.Tensor]
     block_size: int
+    # rank 0 of a tensor-parallel group: copies are made on every rank (engine/tp/)
+    group: TPGroup | None = None
 
     @property
     def num_blocks(self) -> int:
         return self.layers[0].shape[0]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Block ``dst[i]`` of every layer becomes a copy of block ``src[i]`` (K and V)."""
+        """Block ``dst[i]`` of every layer becomes a copy of block ``src[i]`` (K and V), on
+        every rank of a tensor-parallel group."""
         if not src:
             return
+        if self.group is None:
+            self.copy_local(src, dst)
+            return
+        from pdserve.engine.tp.group import Command
+
+        with self.group.lock:
+            self.group.command(Command.COPY_BLOCKS, torch.tensor(src + dst))
+            self.copy_local(src, dst)
+
+    def copy_local(self, src: list[int], dst: list[int]) -> None:
+        """``copy_blocks`` in this process's cache alone."""
         device = self.layers[0].device
         src_t = torch.tensor(src, dtype=torch.long, device=device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=device)
@@ -296,9 +313,15 @@ class KVCache:
 
     @classmethod
     def create(
-        cls, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+        cls,
+        cfg: ModelConfig,
+        cache: CacheConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int | None = None,
     ) -> KVCache:
-        n = cls.num_blocks_for(cfg, cache, dtype, device)
+        """``cfg``'s cache of ``num_blocks`` blocks (default: as ``num_blocks_for`` sizes it)."""
+        n = num_blocks or cls.num_blocks_for(cfg, cache, dtype, device)
         shape = (n, 2, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         if device.type == "cpu":  # zero pages, taken as blocks are first written
             layers = [lazily_zeroed(shape, dtype) for _ in range(cfg.num_layers)]

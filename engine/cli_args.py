@@ -87,6 +87,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps"
     )
     g.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks the model is split over (Megatron's split: heads and MLP rows; gloo on "
+        "CPU, NCCL on CUDA, one GPU a rank); this process is rank 0 and starts the others "
+        "here unless --tp-rendezvous says they are started apart (pdserve tp-rank)",
+    )
+    g.add_argument(
+        "--tp-rendezvous",
+        default="",
+        help="tcp://HOST:PORT where the ranks of a group started apart meet (rank 0 serves "
+        "it); unauthenticated, as the collectives are: a network only the group reaches",
+    )
+    g.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a tensor-parallel collective may wait before the group gives up",
+    )
+    g.add_argument(
+        "--tp-staging-blocks",
+        type=int,
+        default=0,
+        help="rank 0's full-head blocks for KV moving in or out of a group (0: two "
+        "max-length sequences, at most the cache's blocks)",
+    )
+    g.add_argument(
         "--compile",
         action="store_true",
         help="CPU: run decode steps through torch.compile (needs g++; the graphs are built "
@@ -111,6 +139,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile=args.compile,
         quantization=args.quantization,
         quant_group_size=args.quant_group_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        tp_rendezvous=args.tp_rendezvous,
+        tp_timeout_s=args.tp_timeout,
+        tp_staging_blocks=args.tp_staging_blocks,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -242,6 +242,13 @@ class EngineConfig:
     quant_group_size: int = 32  # int4: weights per scale and minimum
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # tensor parallelism (engine/tp/): ranks in the group; where they meet ("": rank 0 starts
+    # the others on this host; tcp://host:port: they are started apart, ``pdserve tp-rank``);
+    # seconds a collective may wait; rank 0's full-head blocks for KV transfers (0: auto)
+    tensor_parallel_size: int = 1
+    tp_rendezvous: str = ""
+    tp_timeout_s: float = 30.0
+    tp_staging_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -260,8 +267,19 @@ class EngineConfig:
             raise ConfigError(
                 f"quant_group_size must be a positive multiple of 32, got {self.quant_group_size}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ConfigError("--compile does not run in a tensor-parallel group yet")
+        if not self.tp_timeout_s > 0:
+            raise ConfigError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.compile and not self.device.startswith("cpu"):
             raise ConfigError(
                 f"compile is for CPU decode steps (CUDA ones use CUDA graphs), "
                 f"device is {self.device!r}"
             )
+
+
+def served_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence served: ``max_model_len`` if set, within what the model allows."""
+    return min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)

@@ -22,13 +22,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager, KVCache
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, served_model_len
 from pdserve.engine.fork import Forks
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.kv_handoff import KVHandoff
@@ -44,6 +46,9 @@ from pdserve.protocol.control import StepCounters
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.tenancy import DEFAULT, Share
+
+if TYPE_CHECKING:
+    from pdserve.engine.tp.staging import KVStaging
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +76,17 @@ class LLMEngine:
             torch.set_num_threads(config.threads)
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_model_len,
-            self.model_config.max_model_len,
-        )
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.max_model_len = served_model_len(config, self.model_config)
+        group = None
+        if config.tensor_parallel_size > 1:  # this process is rank 0 (engine/tp/)
+            from pdserve.engine.tp.follower import pin
+            from pdserve.engine.tp.launch import start_group
+            from pdserve.engine.tp.layout import check_tp_size
+
+            check_tp_size(self.model_config, config.tensor_parallel_size)
+            group = start_group(config)
+            pin(config, 0)  # after the others started: they chose their cores from all
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, group)
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,
             config.cache.block_size,
@@ -108,14 +119,27 @@ class LLMEngine:
         )
         kv_cache = self.runner.kv_cache
         self.forks = Forks(self.requests, self.scheduler, self.block_manager, kv_cache)
-        self.handoff = KVHandoff(self.requests, self.scheduler, self.block_manager, kv_cache)
+        staging = self.runner.staging_if_group
+        self.handoff = KVHandoff(
+            self.requests, self.scheduler, self.block_manager, kv_cache, staging
+        )
         self.status = EngineStatus(
-            self.block_manager, kv_cache, self.scheduler, self.requests.output_lengths
+            self.block_manager, kv_cache, self.scheduler, self.requests.output_lengths, staging
         )
         self._arrivals = itertools.count()
         # tokens computed in prompt chunks (recomputation included), since start (metrics)
         self.prefill_tokens_computed = 0
         self.recomputed_tokens = 0  # of those, tokens computed again after a preemption
+
+    def keep_alive(self) -> None:
+        """Rank 0 of a tensor-parallel group: tell the other ranks it lives (an idle worker
+        calls this each heartbeat period: a rank waits no longer than ``tp_timeout_s``)."""
+        group = self.runner.group
+        if group is not None and group.leads:
+            from pdserve.engine.tp.group import Command
+
+            with group.lock:
+                group.command(Command.PING)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -248,11 +272,13 @@ class EngineStatus:
         kv_cache: KVCache,
         scheduler: Scheduler,
         lengths: OutputLengths,
+        staging: Callable[[], KVStaging | None] = lambda: None,
     ) -> None:
         self._blocks = blocks
         self._kv_cache = kv_cache
         self._scheduler = scheduler
         self._lengths = lengths
+        self._staging = staging
 
     # ---- the KV cache -----------------------------------------------------------------------
     @property
@@ -274,8 +300,10 @@ class EngineStatus:
 
     @property
     def kv_layers(self) -> list[torch.Tensor]:
-        """The KV cache, one tensor a layer: what a KV sender reads and a receiver writes."""
-        return self._kv_cache.layers
+        """The KV cache, one tensor a layer: what a KV sender reads and a receiver writes
+        (a tensor-parallel group's rank 0: its staging blocks, every head whole)."""
+        staging = self._staging()
+        return self._kv_cache.layers if staging is None else staging.layers
 
     def kv_event_publisher(self, worker_id: str) -> KVEventPublisher:
         """The ``KVEvents`` of this engine's prefix cache (one publisher an engine: it hooks

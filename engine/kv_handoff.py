@@ -15,11 +15,17 @@ until ``release(rid)``, so a preempted prompt's freed blocks are not reused unde
 n choices of one prompt (engine/fork.py): the prefill side runs it once and holds its KV under
 the prompt's id; here ``reserve(..., choices=n)`` takes one more block for each choice past the
 first and ``add_prefilled_n`` forks the received prompt into them.
+
+A tensor-parallel group (engine/tp/staging.py) moves KV through rank 0's staging blocks: the
+ids a sender reads are ``outgoing(rid, ids)``'s, those a receiver writes ``incoming(rid, ids)``'s;
+alone they are the blocks themselves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager, KVCache
 from pdserve.engine.fork import check_choices, fork_blocks_into
@@ -29,6 +35,9 @@ from pdserve.protocol.blocks import blocks_for, fork_blocks, full_blocks
 from pdserve.protocol.messages import TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.tenancy import DEFAULT, Share
+
+if TYPE_CHECKING:
+    from pdserve.engine.tp.staging import KVStaging
 
 _NO_SAMPLING = SamplingParams()  # a reservation draws nothing; its successors have their own
 
@@ -47,12 +56,58 @@ class KVHandoff:
         scheduler: Scheduler,
         blocks: BlockManager,
         kv_cache: KVCache,
+        staging: Callable[[], KVStaging | None] = lambda: None,
     ) -> None:
         self.requests = requests
         self.scheduler = scheduler
         self.blocks = blocks
         self.kv_cache = kv_cache
         self.pinned: dict[RequestId, list[int]] = {}  # blocks sent while computing (``pin``)
+        self._staging = staging  # a group's rank 0: its staging blocks (made on first use)
+        self.staged_out: dict[RequestId, list[int]] = {}  # staging ids read by a sender
+        # staging ids a receiver writes, and the reserved blocks they go to once landed
+        self.staged_in: dict[RequestId, tuple[list[int], list[int]]] = {}
+
+    # ---- staging (tensor-parallel groups) ----------------------------------------------------
+    def outgoing(self, request_id: RequestId, block_ids: list[int]) -> list[int]:
+        """The ids a sender reads for blocks ``block_ids`` of ``request_id``: the blocks
+        themselves, or, in a group, staging blocks holding their whole KV now (given back
+        by ``release``)."""
+        staging = self._staging()
+        if staging is None:
+            return block_ids
+        staged = staging.export(block_ids)
+        self.staged_out.setdefault(request_id, []).extend(staged)
+        return staged
+
+    def incoming(self, request_id: RequestId, block_ids: list[int]) -> list[int]:
+        """The ids a receiver writes for reserved blocks ``block_ids``: themselves, or, in a
+        group, staging blocks whose KV ``add_prefilled`` gives every rank its heads of.
+        ``NoFreeBlocks`` when the staging blocks are taken."""
+        staging = self._staging()
+        if staging is None or not block_ids:
+            return block_ids
+        staged = staging.take(len(block_ids))
+        self.staged_in[request_id] = (staged, list(block_ids))
+        return staged
+
+    def _landed(self, request_id: RequestId) -> None:
+        """A group's received KV into each rank's reserved blocks; its staging given back."""
+        entry, staging = self.staged_in.pop(request_id, None), self._staging()
+        if entry is not None and staging is not None:
+            try:
+                staging.import_(*entry)
+            finally:
+                staging.give(entry[0])
+
+    def _unstage(self, request_id: RequestId) -> None:
+        staging = self._staging()
+        if staging is None:
+            return
+        staging.give(self.staged_out.pop(request_id, []))
+        entry = self.staged_in.pop(request_id, None)
+        if entry is not None:
+            staging.give(entry[0])
 
     # ---- the prefill side -------------------------------------------------------------------
     def held_block_ids(self, request_id: RequestId) -> list[int]:
@@ -76,7 +131,8 @@ class KVHandoff:
 
     def release(self, request_id: RequestId) -> bool:
         """Free a held request's blocks (full ones stay findable in the prefix cache) and its
-        pinned ones; whether it was held."""
+        pinned ones (and a group's staging blocks); whether it was held."""
+        self._unstage(request_id)
         self.blocks.free_blocks(self.pinned.pop(request_id, []))
         seq = self.requests.held.pop(request_id, None)
         if seq is None:
@@ -115,6 +171,7 @@ class KVHandoff:
         return ids, len(hits)
 
     def cancel_reservation(self, request_id: RequestId) -> bool:
+        self._unstage(request_id)
         seq = self.scheduler.waiting_for_kvs.get(request_id)
         if seq is None:
             return False
@@ -165,6 +222,7 @@ class KVHandoff:
         this engine's through ``reserve_prompt``), what the outputs report.
         """
         reservation = self._reserved(request_id)
+        self._landed(request_id)
         try:
             seq = self.requests.continued(request_id, prompt_token_ids, [first_token], params)
         except ValueError:
@@ -199,6 +257,7 @@ class KVHandoff:
         ``num_cached_tokens`` and ``share`` as for ``add_prefilled``, the same for every choice.
         """
         reservation = self._reserved(reservation_id)
+        self._landed(reservation_id)
         num_tokens = len(prompt_token_ids)
         needed = fork_blocks(num_tokens, len(request_ids), self.block_size)
         logprobs = first_logprobs or [None] * len(request_ids)

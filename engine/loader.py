@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,9 @@ from pdserve.engine.rope import RotaryEmbedding
 from pdserve.models.gguf import GGUFFile
 from pdserve.models.gguf_convert import iter_hf_tensors
 from pdserve.models.store import GGUF_FILE
+
+if TYPE_CHECKING:
+    from pdserve.engine.tp.layout import TPLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -57,11 +61,30 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    files: list[Path], layout: TPLayout | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files``; with ``layout``, only a tensor-parallel rank's part of each,
+    read from the file as that part alone."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                part = None if layout is None else layout.slice_of(name)
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, stop = part
+                view = f.get_slice(name)
+                yield name, view[start:stop] if dim == 0 else view[:, start:stop]
+
+
+def sliced(
+    weights: Iterator[tuple[str, torch.Tensor]], layout: TPLayout | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` cut to a tensor-parallel rank's parts (for sources read whole)."""
+    for name, tensor in weights:
+        part = None if layout is None else layout.slice_of(name)
+        yield name, tensor if part is None else tensor.narrow(part[0], part[1], part[2] - part[1])
 
 
 def load_model(
@@ -71,9 +94,11 @@ def load_model(
     max_positions: int | None = None,
     quantization: str = "auto",
     group_size: int = 32,
+    layout: TPLayout | None = None,
 ) -> CausalLM:
     """``path``'s model with its weights in the form ``quantization`` names (module docstring);
-    ``group_size``: int4's weights per scale."""
+    ``group_size``: int4's weights per scale; ``layout``: a tensor-parallel rank's part of it
+    (engine/tp/layout.py), its modules sized to it."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -89,20 +114,22 @@ def load_model(
         from pdserve.engine.quant.gguf_model import load_gguf_kept
 
         try:
-            kept = load_gguf_kept(gguf, cfg, positions, torch_dtype, device)
+            kept = load_gguf_kept(gguf, cfg, positions, torch_dtype, device, layout)
         except ValueError as e:
             raise ModelLoadError(f"{gguf}: {e}") from e
         if kept is not None:  # None: every tensor in it is float
-            return kept.eval()
-    model = empty_model(cfg, positions, torch_dtype, device)
+            return _finish_rank(kept, layout).eval()
+    model = empty_model(cfg, positions, torch_dtype, device, layout)
     try:
         if gguf.is_file() and not _has_safetensors(path):
             with GGUFFile(gguf, strings=False) as f:
-                model.load_weights(iter_hf_tensors(f, cfg.num_heads, cfg.num_kv_heads))
+                floats = iter_hf_tensors(f, cfg.num_heads, cfg.num_kv_heads)
+                model.load_weights(sliced(floats, layout))
         else:
-            model.load_weights(iter_weights(safetensors_files(path)))
+            model.load_weights(iter_weights(safetensors_files(path), layout))
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
+    _finish_rank(model, layout)
     if quantization in ("int8", "int4"):
         from pdserve.engine.quant.apply import quantize_model
 
@@ -111,13 +138,34 @@ def load_model(
 
 
 def empty_model(
-    cfg: ModelConfig, positions: int, dtype: torch.dtype, device: str | torch.device
+    cfg: ModelConfig,
+    positions: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    layout: TPLayout | None = None,
 ) -> CausalLM:
     """A ``CausalLM`` with real, uninitialised storage (its parameters start on meta: no
-    random init), the rotary table in float32."""
+    random init), the rotary table in float32; a tensor-parallel rank's part with ``layout``."""
     with torch.device("meta"):
-        model = CausalLM(cfg, positions)
+        model = rank_model(cfg, positions, layout)
     return materialise(model, cfg, positions, dtype, device)
+
+
+def rank_model(cfg: ModelConfig, positions: int, layout: TPLayout | None) -> CausalLM:
+    """The modules of the whole model, or of a tensor-parallel rank's part of it."""
+    if layout is None:
+        return CausalLM(cfg, positions)
+    return CausalLM(layout.local_config(), positions, layout.vocab)
+
+
+def _finish_rank(model: CausalLM, layout: TPLayout | None) -> CausalLM:
+    """A row-split layer's bias is added once, by rank 0: the others' is zero."""
+    if layout is not None and layout.rank > 0:
+        for layer in model.decoder_layers():
+            bias = getattr(layer.self_attn.o_proj, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.data.zero_()
+    return model
 
 
 def materialise(

@@ -7,7 +7,7 @@ typed Any by torch (``nn.Module.__call__``): its result is given its type where 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        # a tensor-parallel rank's sum of every rank's o_proj output (engine/tp/), in place
+        self.reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(
         self,
@@ -73,6 +75,8 @@ class Attention(nn.Module):
             q, k = q.contiguous(), k.contiguous()
         out = backend.forward(q, k, v, kv_cache, self.scale)  # [T, H, D]
         projected: torch.Tensor = self.o_proj(out.reshape(t, -1))  # [T, E]
+        if self.reduce is not None:
+            self.reduce(projected)
         return projected
 
 
@@ -81,10 +85,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], None] | None = None  # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        if self.reduce is not None:
+            self.reduce(out)
         return out
 
 
@@ -114,16 +121,21 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """``vocab``: the rows of the output head this model computes (a tensor-parallel rank's
+    slice; all of them by default); ``gather_vocab`` then makes the whole logits of them."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, vocab: range | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.vocab = vocab or range(cfg.vocab_size)
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, len(self.vocab), bias=False)
         self.tied_head: nn.Module | None = None  # a packed or quantized copy of the tied embedding
         # the linear layers' weight form: "none" (float), "int8", "int4-g32", "gguf Q4_1+Q8_0"
         self.quantization = "none"
@@ -162,8 +174,21 @@ class CausalLM(nn.Module):
         elif self.tied_head is not None:
             logits = self.tied_head(hidden)
         else:
-            logits = F.linear(hidden, self.embed_tokens.weight)
+            logits = F.linear(hidden, self.head_weight())
+        if self.gather_vocab is not None:
+            logits = self.gather_vocab(logits)
         return logits.float()
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers``, typed."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+    def head_weight(self) -> torch.Tensor:
+        """The tied output head's rows (``vocab``'s slice of the embedding: no copy)."""
+        weight: torch.Tensor = self.embed_tokens.weight
+        if len(self.vocab) == weight.shape[0]:
+            return weight
+        return weight[self.vocab.start : self.vocab.stop]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Errors name tensors."""

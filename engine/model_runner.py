@@ -20,9 +20,11 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_model
 from pdserve.engine.scheduler import Sequence
 
-if TYPE_CHECKING:  # both imported when used: --compile and CUDA only
+if TYPE_CHECKING:  # imported when used: --compile, CUDA and tensor parallelism only
     from pdserve.engine.compile import CompiledDecode
     from pdserve.engine.cuda_graphs import CudaGraphRunner
+    from pdserve.engine.tp.group import TPGroup
+    from pdserve.engine.tp.staging import KVStaging
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,25 @@ class StepBuffers:
         if self.dev is not self.host:
             # blocking: the next step rewrites the host tensor
             self.dev[:end].copy_(self.host[:end])
+        return self._views(t, n)
+
+    def load_packed(
+        self, packed: torch.Tensor, t: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``load`` from the four parts already packed as ``host`` holds them (a step
+        another rank prepared: engine/tp/commands.py)."""
+        if packed.numel() > self.capacity:
+            self._grow(max(2 * self.capacity, packed.numel()))
+        self.host[: packed.numel()].copy_(packed)
+        if self.dev is not self.host:
+            self.dev[: packed.numel()].copy_(self.host[: packed.numel()])
+        return self._views(t, n)
+
+    def _views(
+        self, t: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dev
-        return d[:t], d[t : 2 * t], d[2 * t : 3 * t], d[3 * t : end]
+        return d[:t], d[t : 2 * t], d[2 * t : 3 * t], d[3 * t : 3 * t + n]
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -96,9 +115,26 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    """``group``: this process is a rank of a tensor-parallel group (engine/tp/): it holds its
+    part of the model and its heads of every KV block; rank 0 sends each step to the others."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        group: TPGroup | None = None,
+    ) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.device = torch.device(config.device)
+        self.group = group
+        layout = None
+        if group is not None:
+            from pdserve.engine.tp.layout import TPLayout
+
+            layout = TPLayout(model_config, group.rank, group.size)
+        self.layout = layout
         self.model = load_model(
             config.model,
             config.dtype,
@@ -106,10 +142,18 @@ class ModelRunner:
             max_model_len,
             quantization=config.quantization,
             group_size=config.quant_group_size,
+            layout=layout,
         )
         self.dtype = next(self.model.parameters()).dtype
         self.linear = self._pack_linears(config.cpu_linear)
-        self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
+        if group is not None and layout is not None:
+            from pdserve.engine.tp.runner import group_cache, wire_model
+
+            wire_model(self.model, group, layout)
+            self.kv_cache = group_cache(group, layout, config.cache, self.dtype, self.device)
+        else:
+            self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
+        self._staging: KVStaging | None = None
         self.backend = make_backend(config.attention_backend, self.device)
         self.buffers = StepBuffers(self.device)
         # CPU, --compile: decode steps through torch.compile
@@ -118,7 +162,7 @@ class ModelRunner:
             self._compile_decode()
         # CUDA only: captured decode steps (engine/cuda_graphs.py)
         self.graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and group is None:
             from pdserve.engine.cuda_graphs import maybe_capture
 
             self.graphs = maybe_capture(
@@ -128,7 +172,7 @@ class ModelRunner:
         logger.info(
             "model %s (%s, %s, weights %s: %.1f MiB) on %s; KV cache %d blocks x %d tokens "
             "= %d tokens (%.1f MiB, %s: %.1f sequences of the full %d-token context), "
-            "backend %s, linear %s",
+            "backend %s, linear %s%s",
             config.model,
             model_config.architecture,
             self.dtype,
@@ -144,7 +188,24 @@ class ModelRunner:
             max_model_len,
             self.backend.name,
             self.linear,
+            "" if layout is None else f", tensor-parallel rank {layout.rank} of {layout.size}",
         )
+
+    def staging_if_group(self) -> KVStaging | None:
+        """``staging``, as a callable (what the engine's parts hold)."""
+        return self.staging
+
+    @property
+    def staging(self) -> KVStaging | None:
+        """Rank 0 of a group: its full-head blocks for KV transfers (made on first use, so a
+        worker that moves no KV holds none); None alone or past rank 0."""
+        if self.group is None or not self.group.leads or self.layout is None:
+            return None
+        if self._staging is None:
+            from pdserve.engine.tp.runner import make_staging
+
+            self._staging = make_staging(self)
+        return self._staging
 
     def _pack_linears(self, choice: str) -> str:
         """oneDNN-packed linear layers on CPU (engine/cpu_linear.py), unless told otherwise."""
@@ -160,7 +221,7 @@ class ModelRunner:
             return "torch"
         packed = pack_linears(self.model)  # the float ones: quantized layers stay as they are
         if self.model.lm_head is None and self.model.tied_head is None:
-            self.model.tied_head = packed_head(self.model.embed_tokens.weight)
+            self.model.tied_head = packed_head(self.model.head_weight())
             packed += self.model.tied_head is not None
         return "onednn" if packed else "quantized"
 
@@ -218,7 +279,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the model over the step's tokens; logits [len(sample_seqs), V] float32."""
+        """Run the model over the step's tokens; logits [len(sample_seqs), V] float32 (rank 0
+        of a group first sends the step to the other ranks, which run it with it)."""
+        if self.group is not None and self.group.leads:
+            from pdserve.engine.tp.commands import encode_step
+            from pdserve.engine.tp.group import Command
+
+            with self.group.lock:
+                self.group.command(Command.STEP, encode_step(self.buffers.host, inputs))
+                return self._execute(inputs)
+        return self._execute(inputs)
+
+    def _execute(self, inputs: StepInputs) -> torch.Tensor:
         hidden: torch.Tensor | None = None
         if self.graphs is not None and self.graphs.can_run(inputs.metadata):
             hidden = self.graphs.run(inputs)

@@ -143,6 +143,13 @@ COMMANDS: dict[str, Register] = {
         "run_gateway",
         keys=True,
     ),
+    "tp-rank": _role(
+        "tp-rank",
+        "a rank of a tensor-parallel group started apart from its rank 0 (another node)",
+        "pdserve.engine.tp.follower",
+        "add_tp_rank_args",
+        "run_tp_rank",
+    ),
     "profile": _role(
         "profile",
         "measure a model's prefill and decode speed here, for the planner",

@@ -49,6 +49,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers (--autoscale: first)")
     g.add_argument("--decode", type=int, default=1, help="decode workers (--autoscale: first)")
+    g.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size of each prefill worker (default: --tp)",
+    )
+    g.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size of each decode worker (default: --tp); each pool its own",
+    )
     add_autoscale_args(g)
     g.add_argument(
         "--mode",

@@ -32,6 +32,8 @@ FORWARDED_ENGINE_FLAGS = (
     "tpot_target_ms",
     "prefill_age_bound_ms",
     "seed",
+    "tp_timeout",
+    "tp_staging_blocks",
 )
 
 
@@ -59,7 +61,8 @@ def worker_command(
     """Worker ``slot``'s command line as ``role`` (``--pin``: the slot's cores). Threads: the
     cores split between the workers, or between ``--max-workers`` with ``--autoscale``."""
     cores = os.cpu_count() or 1
-    threads = args.threads or max(1, cores // (args.max_workers or args.prefill + args.decode))
+    threads = args.threads or max(1, cores // total_ranks(args))
+    tp = role_tp(args, role)
     common = [
         f"--drain-timeout={args.drain_timeout}",
         f"--model={model}",
@@ -75,6 +78,8 @@ def worker_command(
         if value is not None:
             common.append(f"--{flag.replace('_', '-')}={value}")
     common.append(f"--kv-cache-share={kv_share(args, role):.4g}")
+    if tp > 1:  # a group of tp ranks, --threads each (the worker starts the others)
+        common.append(f"--tensor-parallel-size={tp}")
     for switch in ("no_prefix_caching", "enforce_eager", "compile"):  # flags without a value
         if getattr(args, switch):
             common.append(f"--{switch.replace('_', '-')}")
@@ -86,11 +91,38 @@ def worker_command(
         cmd.append("--kv-stream-chunks")
     if role == "decode":
         cmd.append(f"--kv-failure-policy={args.kv_failure_policy}")
-    if args.pin:
-        first = (slot * threads) % cores
-        cpus = ",".join(str((first + k) % cores) for k in range(threads))
+    if args.pin:  # the worker's ranks' cores (each rank pins itself to its own of them)
+        first = (ranks_before(args, slot) * threads) % cores
+        cpus = ",".join(str((first + k) % cores) for k in range(threads * tp))
         cmd = ["taskset", "-c", cpus, *cmd] if shutil.which("taskset") else cmd
     return cmd
+
+
+def role_tp(args: argparse.Namespace, role: str) -> int:
+    """The tensor-parallel size of a ``role`` worker: ``--prefill-tp`` / ``--decode-tp``,
+    else ``--tp`` (all of them; colocated workers take it)."""
+    own = None
+    if args.mode != "colocated":
+        own = getattr(args, "prefill_tp" if role == "prefill" else "decode_tp", None)
+    return int(own or getattr(args, "tensor_parallel_size", 1) or 1)
+
+
+def total_ranks(args: argparse.Namespace) -> int:
+    """Processes running the model that serve starts (each worker's ranks), what the cores
+    are split between; with ``--autoscale``, as many as ``--max-workers`` may be."""
+    widest = max(role_tp(args, "prefill"), role_tp(args, "decode"))
+    if args.max_workers:
+        return int(args.max_workers) * widest
+    return int(args.prefill) * role_tp(args, "prefill") + int(args.decode) * role_tp(args, "decode")
+
+
+def ranks_before(args: argparse.Namespace, slot: int) -> int:
+    """Ranks of the workers in slots before ``slot`` (prefill ones first)."""
+    a, b = role_tp(args, "prefill"), role_tp(args, "decode")
+    prefill = int(args.prefill)
+    if slot <= prefill:
+        return slot * a
+    return prefill * a + (slot - prefill) * b
 
 
 def kv_share(args: argparse.Namespace, role: str) -> float:

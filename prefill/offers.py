@@ -71,8 +71,9 @@ class KVOffers:
         if len(done) <= start:
             return
         try:
-            spec = self._spec(job, rid, done[start:], start)
-            self.engine.handoff.pin(held_id, spec.src_block_ids)  # reads may start at once
+            self.engine.handoff.pin(held_id, done[start:])  # reads may start at once
+            src = self.engine.handoff.outgoing(held_id, done[start:])
+            spec = self._spec(job, rid, src, start)
             self.sender.send_part(spec, self.engine.status.kv_layers, last=False)
         except Exception as e:  # the rest goes with the last part (or fails there)
             logger.warning("transfer %s: no more parts before the last: %s", rid, e)
@@ -86,7 +87,7 @@ class KVOffers:
         transfer, or its last part. Raises what building the spec or the sender raises."""
         src = self.engine.handoff.held_block_ids(held_id)
         start = max(offered.upto, self._skip(job))
-        spec = self._spec(job, rid, src[start:], start)
+        spec = self._spec(job, rid, self.engine.handoff.outgoing(held_id, src[start:]), start)
         self.stats.started(len(spec.src_block_ids), self._block_bytes)
         if offered.parts:
             self.sender.send_part(spec, self.engine.status.kv_layers, last=True)

@@ -75,7 +75,7 @@ class Cluster:
             wid = f"p{i}"
             options: dict[str, Any] = {"fault": fault} if fault is not None else {}
             if backend == "nixl":  # a one-sided transport registers the cache up front
-                options["kv_layers"] = engine.runner.kv_cache.layers
+                options["kv_layers"] = engine.status.kv_layers
             sender = make_sender(backend, checksum=True, **options)
             self.workers[wid] = PrefillWorker(
                 engine, sender, wid, self.bus.outbox(), transfer_timeout_s, stream_chunks
@@ -86,7 +86,7 @@ class Cluster:
             receiver = (
                 None
                 if colocated
-                else make_receiver(backend, engine.runner.kv_cache.layers, require_checksum=True)
+                else make_receiver(backend, engine.status.kv_layers, require_checksum=True)
             )
             self.workers[wid] = DecodeWorker(
                 engine, receiver, wid, self.bus.outbox(), transfer_timeout_s, policy

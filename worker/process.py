@@ -84,6 +84,7 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
     kv_events = engine.status.kv_event_publisher(worker_id)
 
     def periodic(now: float) -> None:
+        engine.keep_alive()  # a tensor-parallel group's other ranks hear from rank 0
         for events in kv_events.messages():  # what its prefix cache holds, for routing
             outbox.to_coordinator(events)
         queued, draining = worker.queued_prompt_tokens, worker.draining

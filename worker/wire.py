@@ -94,7 +94,9 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     """What this engine's blocks look like to another worker (``Register.layout``), with the
     weights that compute them."""
     weights = engine.runner.model.quantization
-    return dataclasses.replace(layout_of(engine.status.kv_layers), weights=weights)
+    own = layout_of(engine.runner.kv_cache.layers)  # a tensor-parallel rank's: its heads
+    whole = engine.model_config.num_kv_heads  # what moves between workers: every head
+    return dataclasses.replace(own, weights=weights, num_kv_heads=whole)
 
 
 class TransferStats:
@@ -118,8 +120,12 @@ class TransferStats:
 
 
 def block_bytes(engine: LLMEngine) -> int:
-    """Bytes of KV one block holds, over every layer (what moving it costs)."""
-    return sum(layer[0].numel() * layer.element_size() for layer in engine.status.kv_layers)
+    """Bytes of KV one block holds, over every layer and head (what moving it costs)."""
+    layout = kv_layout(engine)
+    itemsize = engine.runner.kv_cache.layers[0].element_size()
+    return (
+        layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
+    )
 
 
 def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> WorkerCounters:

@@ -38,7 +38,7 @@ def quantize_model(model: CausalLM, method: str, group_size: int) -> None:
         how = quantize_int8 if child is model.lm_head else quantize
         setattr(parent, name, QuantLinear(_quantized(how, child.weight, qualified), child.bias))
     if model.lm_head is None:
-        head = _quantized(quantize_int8, model.embed_tokens.weight, "embed_tokens (tied)")
+        head = _quantized(quantize_int8, model.head_weight(), "embed_tokens (tied)")
         model.tied_head = QuantLinear(head, None)
     model.quantization = label
 

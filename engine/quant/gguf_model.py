@@ -20,6 +20,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +41,9 @@ from pdserve.models.gguf import GGUFFile
 from pdserve.models.gguf_convert import hf_name, rotary_heads
 from pdserve.models.store import quantization_label
 
+if TYPE_CHECKING:
+    from pdserve.engine.tp.layout import TPLayout
+
 logger = logging.getLogger(__name__)
 
 # (the module holding it, its attribute, the GGUF tensors fused into it, in row order)
@@ -53,23 +57,30 @@ EMBEDDING = "token_embd.weight"
 
 
 def load_gguf_kept(
-    path: Path, cfg: ModelConfig, positions: int, dtype: torch.dtype, device: str | torch.device
+    path: Path,
+    cfg: ModelConfig,
+    positions: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    layout: TPLayout | None = None,
 ) -> CausalLM | None:
     """The model in GGUF ``path`` with its quantized tensors kept; None where it has none
-    (a float GGUF: load it as float). ValueError names a missing or misplaced tensor."""
-    from pdserve.engine.loader import materialise
+    (a float GGUF: load it as float). ValueError names a missing or misplaced tensor.
+    ``layout``: a tensor-parallel rank's part, each quantized tensor's rows or block columns
+    read alone."""
+    from pdserve.engine.loader import materialise, rank_model
 
     with GGUFFile(path, strings=False) as f:
         label = quantization_label(f.type_counts())
         if label == "none":
             return None
         with torch.device("meta"):
-            model = CausalLM(cfg, positions)
+            model = rank_model(cfg, positions, layout)
         slots = list(_linear_slots(model, cfg))
         for owner, attr, _ in slots:
             setattr(owner, attr, None)  # no float storage for what the GGUF keeps quantized
         model = materialise(model, cfg, positions, dtype, device)
-        builder = _Builder(f, cfg, dtype, torch.device(device))
+        builder = _Builder(f, cfg, dtype, torch.device(device), layout)
         taken = {name for _, _, names in slots for name in names}
         missing = sorted(taken - f.tensors.keys())
         if missing:
@@ -78,7 +89,10 @@ def load_gguf_kept(
         for owner, attr, names in slots:
             setattr(owner, attr, builder.linear(names))
         if cfg.tie_word_embeddings and builder.embedding is not None:
-            model.tied_head = builder.quant_linear(builder.embedding)
+            head = builder.embedding
+            if len(model.vocab) != cfg.vocab_size:  # a tensor-parallel rank's rows
+                head = slice_rows(head, model.vocab.start, model.vocab.stop)
+            model.tied_head = builder.quant_linear(head)
     model.quantization = label
     logger.info("%s: %s kept quantized (%.1f MiB)", path, label, _quant_bytes(model) / 2**20)
     return model
@@ -100,9 +114,22 @@ class _Builder:
     """Turns one GGUF file's tensors into this model's layers (on ``device``, float parts in
     ``dtype``); keeps the embedding's blocks for a tied head."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        f: GGUFFile,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: TPLayout | None,
+    ) -> None:
         self.f, self.cfg, self.dtype, self.device = f, cfg, dtype, device
+        self.layout = layout
         self.embedding: QuantWeight | None = None
+
+    def _part(self, name: str) -> tuple[int, int, int] | None:
+        """The part of GGUF tensor ``name`` a tensor-parallel rank keeps (None: all)."""
+        hf = hf_name(name)
+        return None if self.layout is None or hf is None else self.layout.slice_of(hf)
 
     def floats(self, taken: set[str], embed: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor not in a linear layer, float, under its Hugging Face name; a quantized
@@ -118,21 +145,33 @@ class _Builder:
                 dequantize_into(self.embedding, embed)  # bit-exact to the GGUF's own
                 yield out_name, embed  # copied onto itself: nothing moves
             else:
-                yield out_name, float_tensor(self.f, name)
+                w = float_tensor(self.f, name)
+                part = self._part(name)
+                yield out_name, w if part is None else w.narrow(part[0], part[1], part[2] - part[1])
 
     def linear(self, names: tuple[str, ...]) -> nn.Module:
         """One layer of the tensors ``names`` (rows concatenated): quantized where they all
         are, alike; else float."""
         heads = [rotary_heads(n, self.cfg.num_heads, self.cfg.num_kv_heads) for n in names]
+        cuts = [self._part(n) for n in names]
         types = [self.f.tensors[n].type for n in names]
         if all(t in QUANTIZED for t in types):
-            parts = [quant_weight(self.f, n, h) for n, h in zip(names, heads, strict=True)]
+            parts = [
+                quant_weight(self.f, n, _heads_read(h, cut, self.cfg.head_dim), cut)
+                for n, h, cut in zip(names, heads, cuts, strict=True)
+            ]
             if len({(p.kind, p.group) for p in parts}) == 1:
                 return self.quant_linear(concat_rows(parts))
         if any(t in QUANTIZED for t in types):
             kinds = ", ".join(f"{n} {type_name(t)}" for n, t in zip(names, types, strict=True))
             logger.info("%s: one layer of unlike tensors (%s) loaded as float", self.f.path, kinds)
-        w = torch.cat([float_tensor(self.f, n, h) for n, h in zip(names, heads, strict=True)])
+        floats = [float_tensor(self.f, n, h) for n, h in zip(names, heads, strict=True)]
+        w = torch.cat(
+            [
+                t if cut is None else t.narrow(cut[0], cut[1], cut[2] - cut[1])
+                for t, cut in zip(floats, cuts, strict=True)
+            ]
+        )
         layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device=self.device, dtype=self.dtype)
         layer.weight.data.copy_(w)
         return layer
@@ -146,6 +185,23 @@ class _Builder:
                 mins=None if w.mins is None else w.mins.to(self.device),
             )
         return QuantLinear(w, None)
+
+
+def _heads_read(heads: int | None, cut: tuple[int, int, int] | None, head_dim: int) -> int | None:
+    """The rotary heads among the rows a rank reads (whole heads: engine/tp/layout.py)."""
+    if heads is None or cut is None or cut[0] != 0:
+        return heads
+    return (cut[2] - cut[1]) // head_dim
+
+
+def slice_rows(w: QuantWeight, start: int, stop: int) -> QuantWeight:
+    """Rows [start, stop) of ``w`` (a tensor-parallel rank's vocabulary of a tied head)."""
+    return dataclasses.replace(
+        w,
+        data=w.data[start:stop].contiguous(),
+        scales=w.scales[start:stop].contiguous(),
+        mins=None if w.mins is None else w.mins[start:stop].contiguous(),
+    )
 
 
 def _quant_bytes(model: CausalLM) -> int:

@@ -38,9 +38,16 @@ def type_name(ttype: int) -> str:
     return TENSOR_TYPES[ttype][0]
 
 
-def quant_weight(f: GGUFFile, name: str, rotary_heads: int | None = None) -> QuantWeight:
+def quant_weight(
+    f: GGUFFile,
+    name: str,
+    rotary_heads: int | None = None,
+    part: tuple[int, int, int] | None = None,
+) -> QuantWeight:
     """GGUF tensor ``name`` (Q8_0, Q4_0 or Q4_1, 2-D) as a ``QuantWeight``; ``rotary_heads``:
-    undo llama.cpp's Q/K row order for that many heads."""
+    undo llama.cpp's Q/K row order for that many heads (of those read); ``part``: (dim, start,
+    stop), only those rows (dim 0: whole heads, for Q/K) or columns (dim 1, on block edges)
+    read from the file."""
     t = f.tensors[name]
     if t.type not in QUANTIZED or len(t.shape) != 2:
         raise ValueError(
@@ -49,6 +56,15 @@ def quant_weight(f: GGUFFile, name: str, rotary_heads: int | None = None) -> Qua
         )
     n, k = t.shape
     blocks = f.raw(name).view(_BLOCKS[t.type]).reshape(n, k // BLOCK)  # [N, K // 32] blocks
+    if part is not None:
+        dim, start, stop = part
+        if dim == 1 and (start % BLOCK or stop % BLOCK):
+            raise ValueError(
+                f"{f.path}: tensor {name}: columns [{start}, {stop}) of a tensor-parallel rank "
+                f"do not fall on its {BLOCK}-weight blocks"
+            )
+        blocks = blocks[start:stop] if dim == 0 else blocks[:, start // BLOCK : stop // BLOCK]
+        n, k = blocks.shape[0], blocks.shape[1] * BLOCK
     scales = _copy(blocks["d"])  # [N, K // 32] float16
     codes = _copy(blocks["qs"]).view(np.int8 if t.type == Q8_0 else np.uint8).reshape(n, -1)
     mins = None  # i8
