@@ -108,6 +108,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a tensor-parallel collective may wait before the group gives up",
     )
     g.add_argument(
+        "--tp-join-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the ranks of a group wait for each other at start (pods on other nodes "
+        "may take minutes to be scheduled)",
+    )
+    g.add_argument(
         "--tp-staging-blocks",
         type=int,
         default=0,
@@ -143,6 +150,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tp_rendezvous=args.tp_rendezvous,
         tp_timeout_s=args.tp_timeout,
         tp_staging_blocks=args.tp_staging_blocks,
+        tp_join_timeout_s=args.tp_join_timeout,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -249,6 +249,7 @@ class EngineConfig:
     tp_rendezvous: str = ""
     tp_timeout_s: float = 30.0
     tp_staging_blocks: int = 0
+    tp_join_timeout_s: float = 300.0  # how long ranks wait for each other at the rendezvous
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -131,6 +131,11 @@ class LLMEngine:
         self.prefill_tokens_computed = 0
         self.recomputed_tokens = 0  # of those, tokens computed again after a preemption
 
+    def close(self) -> None:
+        """Stop a tensor-parallel group's other ranks (also done at exit); nothing alone."""
+        if self.runner.group is not None:
+            self.runner.group.stop()
+
     def keep_alive(self) -> None:
         """Rank 0 of a tensor-parallel group: tell the other ranks it lives (an idle worker
         calls this each heartbeat period: a rank waits no longer than ``tp_timeout_s``)."""

@@ -1,10 +1,14 @@
 """Reading rendered Kubernetes objects, a CRD schema made strict, a Secret volume laid out as
-the kubelet does (tests/test_kubernetes.py, tests/test_dockerfiles.py)."""
+the kubelet does (tests/test_kubernetes.py, tests/test_kubernetes_tp.py,
+tests/test_dockerfiles.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import jsonschema_rs
+import yaml
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 ROLES = ("coordinator", "gateway", "prefill", "decode")
@@ -58,6 +62,19 @@ def strict(schema: Any) -> Any:
             out["additionalProperties"] = False
         return out
     return [strict(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def crd_validator(path: Path, version: str) -> Any:
+    """A validator for one version of a vendored CRD (tests/data), its schema made strict.
+    Read with libyaml where PyYAML has it: the LeaderWorkerSet CRD is 1.3 MB."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = next(doc for doc in yaml.load_all(path.read_text(), Loader=loader) if doc)
+    served = next(v for v in crd["spec"]["versions"] if v["name"] == version)
+    return jsonschema_rs.validator_for(strict(served["schema"]["openAPIV3Schema"]))
+
+
+def schema_errors(validator: Any, obj: dict[str, Any]) -> list[str]:
+    return [f"{list(e.instance_path)}: {e.message}" for e in validator.iter_errors(obj)]
 
 
 def mount_secret(root: Path, files: dict[str, bytes]) -> None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema_rs
 import kubernetes_validate  # the test extra's (with PyYAML)
 import pytest
 import yaml
@@ -29,12 +28,13 @@ from tests.k8s_util import (
     ROLES,
     arg,
     container,
+    crd_validator,
     deployments,
     flag_values,
     mount_secret,
     port_number,
     role_of,
-    strict,
+    schema_errors,
 )
 
 KUBECTL = shutil.which("kubectl")
@@ -63,10 +63,10 @@ class Render:
         return [o for o in self.objects if o["kind"] == kind]
 
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """deploy/kubernetes with what the README has the user make: keys and a tenants file."""
-    root = tmp_path_factory.mktemp("deploy") / "kubernetes"
+def user_tree(parent: Path) -> Path:
+    """deploy/kubernetes copied under ``parent`` with what the README has the user make: keys
+    and a tenants file."""
+    root = parent / "kubernetes"
     shutil.copytree(DEPLOY, root, ignore=shutil.ignore_patterns("keys", "tenants.toml"))
     base = root / "base"
     nodes = [f"{role}:{role}" for role in ROLES]
@@ -75,6 +75,11 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     add = [*PDSERVE, "keys", "add", "example", "--tenants", str(base / "tenants.toml")]
     subprocess.run(add, check=True, capture_output=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return user_tree(tmp_path_factory.mktemp("deploy"))
 
 
 def render(tree: Path, overlay: str) -> Render:
@@ -96,13 +101,11 @@ def rendered(request: pytest.FixtureRequest, tree: Path) -> Render:
 
 @pytest.fixture(scope="module")
 def keda() -> Any:
-    crd = next(doc for doc in yaml.safe_load_all(KEDA_CRD.read_text()) if doc)
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
-    return jsonschema_rs.validator_for(strict(version["schema"]["openAPIV3Schema"]))
+    return crd_validator(KEDA_CRD, "v1alpha1")
 
 
 def keda_errors(validator: Any, obj: dict[str, Any]) -> list[str]:
-    errors = [f"{list(e.instance_path)}: {e.message}" for e in validator.iter_errors(obj)]
+    errors = schema_errors(validator, obj)
     spec = obj["spec"]  # the CRD's one x-kubernetes-validations rule (CEL), by hand
     if spec.get("minReplicaCount", 0) > spec.get("maxReplicaCount", 100):
         errors.append("minReplicaCount must be less than or equal to maxReplicaCount")
@@ -330,7 +333,13 @@ def test_gpu_only_in_the_gpu_overlay(rendered: Render) -> None:
         pod = d["spec"]["template"]["spec"]
         c = container(d)
         worker = role in ("prefill", "decode")
-        assert (c["resources"]["limits"].get("nvidia.com/gpu") == 1) == (gpu and worker), role
+        gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+        assert (gpus is not None) == (gpu and worker), role
+        if gpu and worker:  # each a tensor-parallel group on one pod: a GPU per rank
+            assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus, role
+            assert gpus == int(arg(c, "--tensor-parallel-size")), role
+        else:
+            assert arg(c, "--tensor-parallel-size") is None, role
         assert (flag_values(c, "--device") == ["cuda"]) == (gpu and worker), role
         assert ("nodeSelector" in pod) == (gpu and worker), role
         assert c["image"] == ("pdserve:cuda" if gpu and worker else "pdserve:cpu"), role

@@ -35,8 +35,9 @@ def run_rank(config: EngineConfig, rank: int) -> int:
     """Join the group as ``rank``, load this rank's part, follow rank 0 until STOP."""
     from pdserve.engine.model_runner import ModelRunner
 
-    if config.device.startswith("cuda"):  # one GPU a rank, in rank order
-        config = dataclasses.replace(config, device=f"cuda:{rank}")
+    if config.device.startswith("cuda"):  # one GPU a rank: rank order on rank 0's host, the
+        # host's own GPUs for a rank started apart (a pod of one GPU sees it as cuda:0)
+        config = dataclasses.replace(config, device=f"cuda:{rank % torch.cuda.device_count()}")
     pin(config, rank)
     group = TPGroup(
         rank,
@@ -44,6 +45,7 @@ def run_rank(config: EngineConfig, rank: int) -> int:
         config.tp_rendezvous,
         torch.device(config.device),
         config.tp_timeout_s,
+        config.tp_join_timeout_s,
     )
     agree(group, config)
     model_config = ModelConfig.from_dir(config.model)
@@ -57,7 +59,7 @@ def pin(config: EngineConfig, rank: int) -> None:
     """``--threads`` torch threads, on cores of this rank's own where the host has them all
     (rank r: cores [r·t, (r+1)·t) of those this process may use); CUDA: GPU ``rank``."""
     if config.device.startswith("cuda"):
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(torch.device(config.device))
         return
     if not config.threads:
         return

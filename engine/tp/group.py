@@ -26,6 +26,7 @@ import enum
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -69,16 +70,19 @@ class TPGroup:
         rendezvous: str,
         device: torch.device,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        join_timeout_s: float = 300.0,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.timeout_s = timeout_s
+        self.stop: Callable[[], None] = self.close  # rank 0: STOP the others too (launch.py)
+        self.stopped = False
         self._lock = threading.Lock()  # one command (header and its collectives) at a time
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "gloo" and _on_one_host(rendezvous):  # gloo's own sockets: loopback
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = _store(rendezvous, rank, size, timeout_s)
+            store = _store(rendezvous, rank, size, join_timeout_s)
             # groups of their own, not torch's default one: one process may lead several
             # (tests, an in-process cluster). Commands and start-up checks go over gloo on
             # host memory even beside NCCL (vLLM's CPU group does the same).
@@ -249,7 +253,7 @@ def _store(rendezvous: str, rank: int, size: int, timeout_s: float) -> Any:
             size,
             is_master=rank == 0,
             timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=rank == 0,
+            wait_for_workers=False,  # the process groups' own rendezvous waits for them
         )
     raise ConfigError(f"rendezvous must be file:///path or tcp://host:port, got {rendezvous!r}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -59,7 +60,12 @@ def start_group(config: EngineConfig) -> TPGroup:
         ]
     try:
         group = TPGroup(
-            0, config.tensor_parallel_size, rendezvous, _device(config), config.tp_timeout_s
+            0,
+            config.tensor_parallel_size,
+            rendezvous,
+            _device(config),
+            config.tp_timeout_s,
+            config.tp_join_timeout_s,
         )
         agree(group, config)
     except BaseException:
@@ -68,13 +74,17 @@ def start_group(config: EngineConfig) -> TPGroup:
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
         raise
-    atexit.register(stop, group, spawned, private)
+    group.stop = functools.partial(stop, group, spawned, private)
+    atexit.register(group.stop)
     return group
 
 
 def stop(group: TPGroup, spawned: list[subprocess.Popen[bytes]], private: str | None) -> None:
     """STOP to every rank, then wait for those spawned here (killed if they linger), and
-    remove the rendezvous directory."""
+    remove the rendezvous directory; once."""
+    if group.stopped:
+        return
+    group.stopped = True
     try:
         with group.lock:
             group.command(Command.STOP)

@@ -71,6 +71,9 @@ class ShmCollectives:
         self._pids[rank] = os.getpid()
         self._bytes = torch.frombuffer(buf[_HEADER:], dtype=torch.uint8)
         self._seq = 0
+        # spinning only pays when every rank has a core: more ranks than cores, and a spinning
+        # rank takes the core the one it waits for needs
+        self._spin = _SPIN if size <= len(os.sched_getaffinity(0)) else 0
 
     @staticmethod
     def new_path() -> str:
@@ -163,7 +166,7 @@ class ShmCollectives:
         """Until ``ready()``: spinning a while (not when ``idle``), then yielding the core and
         backing off to 1 ms sleeps; ``GroupFailed`` when a rank's process is gone or the
         timeout passes."""
-        for _ in range(_SPIN // 2 if idle else _SPIN):
+        for _ in range(self._spin // 2 if idle else self._spin):
             if ready():
                 return
         now = time.monotonic()
