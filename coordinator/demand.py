@@ -1,6 +1,8 @@
 """What a model's load asks of each pool, in workers, and of a decode worker's local prefills:
 the planner's formulas (coordinator/planner.py applies margins, floors and hysteresis to them).
-Pure functions of a ``Load``, the ``Targets`` and a ``Profile``.
+Pure functions of a ``Load``, the ``Targets`` and a ``Profile``: the profile at the size the
+role's workers run at (``Load.prefill_tp``, ``Load.decode_tp``: a tensor-parallel group is one
+worker, and its speed is its size's), which the planner picks.
 
 λ arrivals/s, P mean prompt and O mean output tokens, p the profile, D decode workers, b the
 batch a decode worker runs: the largest with p.step(b, P + O/2) within the TPOT target (within
@@ -66,8 +68,12 @@ class Load:
     kv_total_blocks: int  # decode pool
     ttft_p90_s: float | None  # from the gateways' samples over the window (None: no sample)
     tpot_p90_s: float | None
-    prefill_workers: int  # live, not draining
+    prefill_workers: int  # live, not draining (each a tensor-parallel group of *_tp ranks)
     decode_workers: int
+    # the tensor-parallel size of the role's workers (the one most of them run at; 1: none):
+    # the size of the profile the role's figures are read from
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
 
 def prefill_demand(
@@ -132,9 +138,17 @@ def tpot_reachable(profile: Profile | None, targets: Targets, load: Load) -> boo
     return profile.decode_step_seconds(1, context) <= targets.tpot_s
 
 
-def local_prefill_threshold(profile: Profile | None, targets: Targets, load: Load, cap: int) -> int:
+def local_prefill_threshold(
+    profile: Profile | None,
+    targets: Targets,
+    load: Load,
+    cap: int,
+    prefill_profile: Profile | None = None,
+) -> int:
     """The longest prompt (tokens, whole blocks, at most ``cap``) a decode worker may prefill
-    itself."""
+    itself. ``profile``: the decode workers' (the prefill runs on one, at its size);
+    ``prefill_profile``: the prefill pool's, which says whether its queue is the bottleneck
+    (None: ``profile``'s prefill speed stands in for the pool's)."""
     if profile is None:
         return 0
     workers = max(1, load.decode_workers)
@@ -145,7 +159,7 @@ def local_prefill_threshold(profile: Profile | None, targets: Targets, load: Loa
         return 0
     per_token_share = 1 / load.output_tokens if load.output_tokens >= 1 else 1.0
     stalls = max(per_token_share, load.arrival_rate / workers * targets.tpot_s)
-    if _prefill_bottleneck(profile, targets, load):
+    if _prefill_bottleneck(prefill_profile or profile, targets, load):
         stalls = per_token_share
     # spread over a stream's tokens a long stall still meets a mean TPOT; but no stream may
     # wait longer between two tokens than a new one may wait for its first
@@ -171,11 +185,15 @@ def _prefill_per_token(profile: Profile, load: Load) -> float:
 
 def clean_load(load: Load) -> Load:
     """``load`` with every figure finite and non-negative (NaN, inf, negatives: 0; a p90 that
-    is not a number: None)."""
+    is not a number: None; a tensor-parallel size under 1: 1)."""
     changes: dict[str, Any] = {}
     for f in fields(load):
         value = getattr(load, f.name)
         if value is None:
+            continue
+        if f.name.endswith("_tp"):
+            if not value >= 1:
+                changes[f.name] = 1
             continue
         ok = math.isfinite(value) and value >= 0
         if not ok:

@@ -9,6 +9,12 @@ profile; from the live signals alone without one). On it::
                  live + 1 where a live signal says the role falls short,
                  min_<role>)
 
+Profiles are by tensor-parallel size: a pool of groups of N ranks is sized (in groups) with
+the model's profile measured at N (``Load.prefill_tp``, ``Load.decode_tp``: the size most of
+the role's workers run at). A role whose size has no profile is planned as with none (live
+signals; the local-prefill threshold 0 without a decode profile), and where the planner has
+profiles at other sizes its reason says "no profile at TP N".
+
 Live signals: TTFT p90 over target → prefill (unless its queue is empty while requests wait
 for decode blocks); TPOT p90 over target (where the profile says one sequence's step can meet
 it), KV use ≥ kv_high, requests waiting for blocks → decode; without a profile, a prefill
@@ -27,6 +33,7 @@ local prefills (the threshold keeps those short).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -126,18 +133,35 @@ class _Memory:
 
 
 class Planner:
-    """Desired prefill/decode workers and the local-prefill threshold from live load, a
-    profile (optional) and SLO targets. State: per model, each role's hysteresis memory."""
+    """Desired prefill/decode workers and the local-prefill threshold from live load, the
+    model's profiles (none, or one a tensor-parallel size) and SLO targets. State: per model,
+    each role's hysteresis memory."""
 
-    def __init__(self, profile: Profile | None, targets: Targets, config: PlannerConfig) -> None:
-        self.profile = profile
+    def __init__(
+        self, profiles: Iterable[Profile], targets: Targets, config: PlannerConfig
+    ) -> None:
+        self.profiles: dict[int, Profile] = {}  # by tensor-parallel size
+        for p in profiles:
+            if p.tensor_parallel_size in self.profiles:
+                raise ValueError(
+                    f"two profiles of {p.model!r} at tensor-parallel size {p.tensor_parallel_size}"
+                )
+            self.profiles[p.tensor_parallel_size] = p
         self.targets = targets
         self.config = config
         self._memory: dict[str, _Memory] = {}
 
+    def profile(self, tp: int) -> Profile | None:
+        """The profile of a worker of ``tp`` ranks, if there is one."""
+        return self.profiles.get(tp)
+
     def plan(self, model: str, load: Load, now: float) -> Plan:
         load = clean_load(load)
-        wants = {"prefill": self._prefill_want(load), "decode": self._decode_want(load)}
+        prefill, decode = self.profile(load.prefill_tp), self.profile(load.decode_tp)
+        wants = {
+            "prefill": self._prefill_want(prefill, load),
+            "decode": self._decode_want(decode, load),
+        }
         capped = self._cap(wants)
         memory = self._memory.setdefault(model, _Memory())
         for role in ROLES:
@@ -149,8 +173,10 @@ class Planner:
             other = memory.roles[ROLES[1 - ROLES.index(role)]].target
             room = None if self.config.max_workers is None else self.config.max_workers - other
             self._step_up(memory.roles[role], wants[role], now, room)
+        sizes = {"prefill": load.prefill_tp, "decode": load.decode_tp}
         reason = "; ".join(
-            f"{role} {memory.roles[role].target}: {wants[role].why}{memory.roles[role].note}"
+            f"{role} {memory.roles[role].target}: {wants[role].why}"
+            f"{self._missing(sizes[role])}{memory.roles[role].note}"
             for role in ROLES
         )
         return Plan(
@@ -158,33 +184,37 @@ class Planner:
             prefill=memory.roles["prefill"].target,
             decode=memory.roles["decode"].target,
             max_local_prefill_tokens=local_prefill_threshold(
-                self.profile, self.targets, load, self.config.max_local_prefill_cap
+                decode, self.targets, load, self.config.max_local_prefill_cap, prefill
             ),
             reason=reason + (f"; capped at {self.config.max_workers}" if capped else ""),
             load=load,
         )
 
+    def _missing(self, tp: int) -> str:
+        """The reason's note for a role whose size has no profile where others have one."""
+        return f" (no profile at TP {tp})" if self.profiles and tp not in self.profiles else ""
+
     # ---- wanted counts ------------------------------------------------------------------------
-    def _prefill_want(self, load: Load) -> _Want:
+    def _prefill_want(self, profile: Profile | None, load: Load) -> _Want:
         c, t = self.config, self.targets
         queued = load.prefill_queue_tokens
         blamed = queued > 0 or load.decode_waiting == 0  # else decode blocks held it up
         floors = [("ttft>slo", _over(load.ttft_p90_s, t.ttft_s) and blamed)]
-        if self.profile is None:
+        if profile is None:
             long_queue = queued > c.queue_tokens_per_prefill * max(1, load.prefill_workers)
             floors.append(("queue", long_queue))
-        demand = prefill_demand(self.profile, t, load, c.queue_tokens_per_prefill)
+        demand = prefill_demand(profile, t, load, c.queue_tokens_per_prefill)
         return self._want("prefill", demand, floors, load.prefill_workers, _busy(load))
 
-    def _decode_want(self, load: Load) -> _Want:
+    def _decode_want(self, profile: Profile | None, load: Load) -> _Want:
         use = load.kv_used_blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0
-        reachable = tpot_reachable(self.profile, self.targets, load)
+        reachable = tpot_reachable(profile, self.targets, load)
         floors = [
             ("tpot>slo", _over(load.tpot_p90_s, self.targets.tpot_s) and reachable),
             ("kv use", use >= self.config.kv_high),
             ("waiting", load.decode_waiting > 0),
         ]
-        demand = decode_demand(self.profile, self.targets, load, self.config.max_batch)
+        demand = decode_demand(profile, self.targets, load, self.config.max_batch)
         note = "" if reachable else " (tpot out of reach)"
         return self._want("decode", demand, floors, load.decode_workers, _busy(load), note)
 

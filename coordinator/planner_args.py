@@ -1,6 +1,7 @@
 """The planner's flags (the coordinator's; ``pdserve serve`` passes them on) and the planner
-each served model gets from them: its SLOs, and its profile (``--profile``, else the one
-shipped for the model, else none: the planner goes by live signals alone)."""
+each served model gets from them: its SLOs, and its profiles, one a tensor-parallel size
+(``--profile``; at size 1 the one shipped for the model where none is given; at a size with
+none the planner goes by live signals alone for the pool whose workers run at it)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def add_planner_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
         action="append",
         default=[],
         metavar="FILE",
-        help="planner: a model's profile from `pdserve profile` (repeatable, one per model; "
-        "default: the one shipped for the model, if any)",
+        help="planner: a model's profile from `pdserve profile` (repeatable: one per model and "
+        "tensor-parallel size, each pool sized with the one at its workers' size; at size 1 "
+        "the default is the one shipped for the model, if any)",
     )
     parser.add_argument(
         "--planner-interval", type=float, default=5.0, help="planner: seconds between plans"
@@ -84,12 +86,16 @@ def planner_factory(args: argparse.Namespace) -> Callable[[str], Planner]:
         raise ValueError("--planner-interval must be > 0 and --planner-max-workers >= 0")
     if args.planner_window < args.planner_interval:
         raise ValueError("--planner-window must be at least --planner-interval")
-    profiles: dict[str, Profile] = {}
+    profiles: dict[tuple[str, int], Profile] = {}  # by (model, tensor-parallel size)
     for path in args.profile:
         profile = Profile.load(path)
-        if profile.model in profiles:
-            raise ValueError(f"two profiles for model {profile.model!r} (--profile {path})")
-        profiles[profile.model] = profile
+        key = (profile.model, profile.tensor_parallel_size)
+        if key in profiles:
+            raise ValueError(
+                f"two profiles for model {profile.model!r} at tensor-parallel size {key[1]} "
+                f"(--profile {path})"
+            )
+        profiles[key] = profile
     targets = Targets(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
     config = PlannerConfig(
         max_workers=args.planner_max_workers or None,
@@ -98,6 +104,8 @@ def planner_factory(args: argparse.Namespace) -> Callable[[str], Planner]:
     )
 
     def make(model: str) -> Planner:
-        return Planner(profiles.get(model) or shipped_profile(model), targets, config)
+        given = {tp: p for (name, tp), p in profiles.items() if name == model}
+        shipped = None if 1 in given else shipped_profile(model)  # of one rank
+        return Planner([*given.values(), *([shipped] if shipped else [])], targets, config)
 
     return make

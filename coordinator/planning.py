@@ -4,10 +4,10 @@
 It counts each model's arrivals (``Generate``: choices and their prompt tokens), pools the
 latency samples every gateway sends in its hello (TTFT, TPOT, output tokens), and every
 ``interval_s`` reads the pools' figures off the registry (prefill queue, decode KV use, live
-workers) into a ``Load`` for each model's ``Planner``. Its plans go to the gateways in
-``ClusterState`` (``/metrics``, ``GET /planner``), and, with ``auto_local``, each plan's
-``max_local_prefill_tokens`` is the conditional-disaggregation threshold the coordinator
-applies (``threshold``).
+workers and the tensor-parallel size they registered) into a ``Load`` for each model's
+``Planner``. Its plans go to the gateways in ``ClusterState`` (``/metrics``, ``GET
+/planner``), and, with ``auto_local``, each plan's ``max_local_prefill_tokens`` is the
+conditional-disaggregation threshold the coordinator applies (``threshold``).
 
 Everything it keeps is bounded: arrivals and samples older than ``window_s`` are dropped, and
 at most ``MAX_POINTS`` of each per model are kept (the oldest go first).
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve.coordinator.planner import Load, Plan, Planner, PlannerConfig, Targets
-from pdserve.coordinator.registry import WorkerRegistry
+from pdserve.coordinator.registry import Worker, WorkerRegistry
 from pdserve.protocol import messages as m
 from pdserve.protocol.planning import PlanReport, samples_problem
 from pdserve.runtime.loop import RateLimitedLog
@@ -180,6 +180,8 @@ class Planning:
             tpot_p90_s=_p90(x for _, x in pool.tpot),
             prefill_workers=len(prefill),
             decode_workers=len(decode),
+            prefill_tp=_usual_tp(prefill),
+            decode_tp=_usual_tp(decode),
         )
 
     def threshold(self, model: str) -> int | None:
@@ -204,6 +206,13 @@ class Planning:
         ]
 
 
+def _usual_tp(workers: list[Worker]) -> int:
+    """The tensor-parallel size most of ``workers`` run at (a tie: the smaller, slower one,
+    which errs toward more workers); 1 for none."""
+    counts = Counter(w.info.tensor_parallel_size for w in workers)
+    return max(counts, key=lambda tp: (counts[tp], -tp), default=1)
+
+
 def _mean(values: list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -221,4 +230,4 @@ def _number(v: object) -> float | None:
 
 def default_planner(model: str) -> Planner:
     """A planner with no profile and the default SLOs: live signals alone."""
-    return Planner(None, Targets(), PlannerConfig())
+    return Planner((), Targets(), PlannerConfig())

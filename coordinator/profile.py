@@ -4,6 +4,11 @@
 and writes them as JSON (validated and bounded: a profile file is input like any other), and
 answers for sizes that were not measured. Torch-free, no I/O but ``load``/``save``.
 
+A profile is of one worker as the planner counts them: a tensor-parallel group of
+``tensor_parallel_size`` ranks (engine/tp/) is one worker, measured whole (a file without the
+field, as written before groups, is of one rank). The planner sizes each pool with the
+profile at the size its workers run at (coordinator/planner.py).
+
     prefill_seconds(n)        piecewise linear in prompt tokens through the measured points;
                               below the first point its segment's line (floored at 0), past
                               the last the last segment's per-token slope (at least the last
@@ -27,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pdserve.protocol.control import MAX_TENSOR_PARALLEL_SIZE
+
 VERSION = 1
 MAX_FILE_BYTES = 1 << 20
 MAX_POINTS = 1024
@@ -40,7 +47,7 @@ _DEVICE = re.compile(r"[a-z]+(:[0-9]{1,3})?")
 @dataclass(frozen=True)
 class Profile:
     """One worker of ``model`` as measured: prefill time by prompt length, decode step time by
-    batch and context, and its KV capacity."""
+    batch and context, and its KV capacity; a worker of ``tensor_parallel_size`` ranks."""
 
     model: str  # served name, e.g. "smollm2-135m-instruct"
     device: str  # "cpu" / "cuda"
@@ -49,6 +56,7 @@ class Profile:
     kv_blocks: int  # KV capacity (blocks) of one worker as measured
     prefill: tuple[tuple[int, float], ...]  # (prompt_tokens, seconds for the whole prefill)
     decode: tuple[tuple[int, int, float], ...]  # (batch, context_tokens, seconds per step)
+    tensor_parallel_size: int = 1  # ranks of the worker measured (a tensor-parallel group)
 
     def __post_init__(self) -> None:
         _check_name(self.model, "model", _NAME)
@@ -56,6 +64,7 @@ class Profile:
         _check_int(self.threads, "threads", 1, 1 << 12)
         _check_int(self.block_size, "block_size", 1, 1 << 12)
         _check_int(self.kv_blocks, "kv_blocks", 1, 1 << 30)
+        _check_int(self.tensor_parallel_size, "tensor_parallel_size", 1, MAX_TENSOR_PARALLEL_SIZE)
         _check_points(self.prefill, "prefill", 2, MAX_POINTS)
         _check_points(self.decode, "decode", 3, MAX_POINTS)
         tokens = [n for n, _ in self.prefill]
@@ -106,6 +115,7 @@ class Profile:
             "model": self.model,
             "device": self.device,
             "threads": self.threads,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "block_size": self.block_size,
             "kv_blocks": self.kv_blocks,
             "prefill": [[n, t] for n, t in self.prefill],
@@ -119,7 +129,8 @@ class Profile:
             raise ValueError("a profile must be a JSON object")
         fields = {"version", *cls.__dataclass_fields__}
         unknown = sorted(set(data) - fields)
-        missing = sorted(fields - set(data))
+        # a file written before profiles had a tensor-parallel size is of one rank
+        missing = sorted(fields - set(data) - {"tensor_parallel_size"})
         if unknown or missing:
             raise ValueError(f"profile: unknown fields {unknown}, missing fields {missing}")
         if data["version"] != VERSION or isinstance(data["version"], bool):
@@ -133,6 +144,7 @@ class Profile:
             threads=data["threads"],
             block_size=data["block_size"],
             kv_blocks=data["kv_blocks"],
+            tensor_parallel_size=data.get("tensor_parallel_size", 1),
             prefill=tuple(_tuple(p, "prefill", 2) for p in data["prefill"]),
             decode=tuple(_tuple(p, "decode", 3) for p in data["decode"]),
         )
@@ -164,7 +176,8 @@ class Profile:
 
 
 def shipped_profile(model: str) -> Profile | None:
-    """The profile shipped for ``model`` (``models/profiles/<model>.json``), if there is one."""
+    """The profile shipped for ``model`` (``models/profiles/<model>.json``), if there is one;
+    each is of one rank (no ``tensor_parallel_size`` in the file: 1)."""
     if not _NAME.fullmatch(model):
         return None
     file = resources.files("pdserve.models").joinpath("profiles", f"{model}.json")

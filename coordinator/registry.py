@@ -19,6 +19,7 @@ from pdserve.coordinator.kv_index import KVIndex, kv_events_problem
 from pdserve.kvtransfer.base import LayoutMismatchError, check_layouts
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import (
+    MAX_TENSOR_PARALLEL_SIZE,
     Heartbeat,
     KVEvents,
     Register,
@@ -262,6 +263,9 @@ def register_problem(info: Register) -> str | None:
         )
     if not 0 <= info.max_model_len <= MAX_MODEL_LEN:
         return f"max_model_len={info.max_model_len} is outside [0, {MAX_MODEL_LEN}]"
+    tp = info.tensor_parallel_size
+    if not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
+        return f"tensor_parallel_size={tp} is outside [1, {MAX_TENSOR_PARALLEL_SIZE}]"
     return None
 
 

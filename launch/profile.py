@@ -1,7 +1,9 @@
 """``pdserve profile``: measure a model on this machine for the planner (coordinator/profile.py).
 
 One in-process engine, built from the same engine flags a worker takes (``--threads``,
-``--dtype``, ``--block-size``, ``--num-kv-blocks``/``--kv-cache-memory``, ...), measures:
+``--dtype``, ``--block-size``, ``--num-kv-blocks``/``--kv-cache-memory``,
+``--tensor-parallel-size``, ...), measures (a tensor-parallel group whole, as the planner
+counts it: one worker; the profile records its size):
 
     prefill   seconds from a prompt's arrival to its first token (the engine's chunked prefill
               and sampling, as a prefill worker runs it), by prompt length
@@ -39,7 +41,12 @@ if TYPE_CHECKING:
 def add_profile_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     g = parser.add_argument_group("profile")
-    g.add_argument("--out", default=None, help="the JSON file (default: ./profile-<model>.json)")
+    g.add_argument(
+        "--out",
+        default=None,
+        help="the JSON file (default: ./profile-<model>.json, ./profile-<model>-tp<N>.json at "
+        "--tensor-parallel-size N > 1)",
+    )
     g.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 128, 512, 1024, 2048])
     g.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     g.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024])
@@ -65,26 +72,32 @@ def run_profile(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    prof = Profiler(engine, random.Random(args.seed))
-    prof.warm_up()
-    prefill = prof.prefill(args.prompt_lens, args.repeats)
-    decode = prof.decode(args.batches, args.contexts, args.steps)
-    if engine.status.num_used_blocks:
-        print(f"pdserve profile: {engine.status.num_used_blocks} KV blocks leaked", file=sys.stderr)
+    try:
+        prof = Profiler(engine, random.Random(args.seed))
+        prof.warm_up()
+        prefill = prof.prefill(args.prompt_lens, args.repeats)
+        decode = prof.decode(args.batches, args.contexts, args.steps)
+        leaked = engine.status.num_used_blocks
+    finally:
+        engine.close()  # a tensor-parallel group's other ranks
+    if leaked:
+        print(f"pdserve profile: {leaked} KV blocks leaked", file=sys.stderr)
         return 1
     if not decode:
         print("pdserve profile: the KV cache holds no sequence of any --contexts", file=sys.stderr)
         return 2
+    tp = config.tensor_parallel_size
     profile = Profile(
         model=Path(config.model).name,
         device=engine.runner.device.type,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(),  # rank 0's; each rank of a group runs as many
         block_size=engine.status.block_size,
-        kv_blocks=engine.status.num_blocks,
+        kv_blocks=engine.status.num_blocks,  # a group's: its block ids are the group's
         prefill=tuple(prefill),
         decode=tuple(decode),
+        tensor_parallel_size=tp,
     )
-    out = Path(args.out or f"profile-{profile.model}.json")
+    out = Path(args.out or f"profile-{profile.model}{f'-tp{tp}' if tp > 1 else ''}.json")
     profile.save(out)
     print(describe(profile))
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
@@ -184,8 +197,11 @@ class Profiler:
 
 def describe(profile: Profile) -> str:
     """The profile as a short table."""
+    tp, threads = profile.tensor_parallel_size, f"{profile.threads} threads"
+    if tp > 1:
+        threads = f"tensor-parallel size {tp}, {threads} a rank"
     lines = [
-        f"{profile.model} on {profile.device}, {profile.threads} threads, "
+        f"{profile.model} on {profile.device}, {threads}, "
         f"{profile.kv_blocks} KV blocks of {profile.block_size} tokens",
         f"{'prompt':>8} {'prefill ms':>11} {'tokens/s':>9}",
     ]

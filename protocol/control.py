@@ -36,6 +36,8 @@ STEP_DECODE_SEQS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 OVER_TARGET_REASONS = ("decodes", "age_bound", "misprediction")
 # The step-time model's terms (engine/step_model.py), in ``StepCounters.model``'s order
 STEP_MODEL_TERMS = ("fixed", "per_prefill_token", "per_decode_seq", "batched")
+# ranks of one tensor-parallel group (engine/tp/): more than any group spans
+MAX_TENSOR_PARALLEL_SIZE = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,9 @@ class Register(Message):
     model_root: str = ""  # where the weights live (``root`` in /v1/models)
     max_model_len: int = 0
     kv_regions: KVRegions | None = None  # one-sided transports (nixl; ``protocol.transfer``)
+    # the ranks of its tensor-parallel group (engine/tp/): a group registers as one worker, its
+    # rank 0; the planner sizes each pool with the model's profile at its workers' size
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,9 +11,9 @@ import pytest
 from pdserve.coordinator.coordinator import Coordinator
 from pdserve.coordinator.planner import Load, Plan
 from pdserve.protocol import messages as m
-from pdserve.protocol.control import Heartbeat, WorkerLoad
+from pdserve.protocol.control import Heartbeat, Register, WorkerLoad
 from pdserve.protocol.planning import LatencySamples
-from tests.test_coordinator_waits import Outbox, register
+from tests.test_coordinator_waits import LAYOUT, Outbox, register
 
 
 class Recording:
@@ -209,3 +209,61 @@ def test_a_colocated_pool_is_not_planned() -> None:
     register(c, "both", "w0", 64)
     c.tick(0.0)
     assert planner.loads == [] and c.planning.reports() == []
+
+
+def register_group(c: Stepped, role: str, wid: str, tp: int) -> None:
+    """Worker ``wid`` of ``role``: a tensor-parallel group of ``tp`` ranks, 64 KV blocks."""
+    c.handle(
+        Register(
+            role=role,  # type: ignore[arg-type]
+            worker_id=wid,
+            model="tiny",
+            control_address=wid,
+            transfer_address=f"t-{wid}" if role == "decode" else "",
+            transfer_backend="zmq",
+            layout=LAYOUT,
+            num_blocks=64,
+            tensor_parallel_size=tp,
+        ),
+        c.now,
+    )
+
+
+def drain(c: Stepped, wid: str) -> None:
+    load = WorkerLoad(
+        free_blocks=64,
+        used_blocks=0,
+        total_blocks=64,
+        running=0,
+        waiting=0,
+        queued_prompt_tokens=0,
+        draining=True,
+    )
+    c.handle(Heartbeat(worker_id=wid, load=load), c.now)
+
+
+def test_the_load_carries_the_size_most_of_each_roles_workers_run_at() -> None:
+    planner = Recording()
+    c, _ = cluster(planner)  # p0, d0, d1: one rank each
+
+    def sizes(now: float) -> tuple[int, int]:
+        c.tick(now)
+        load = planner.loads[-1][1]
+        return load.prefill_tp, load.decode_tp
+
+    assert sizes(0.0) == (1, 1)
+    register_group(c, "prefill", "p1", 2)
+    register_group(c, "prefill", "p2", 2)
+    register_group(c, "decode", "d0", 4)  # d0 again, now a group of 4
+    assert sizes(5.0) == (2, 1)  # two of three prefill workers at 2; decode 4 and 1: a tie
+    register_group(c, "decode", "d1", 2)
+    assert sizes(10.0) == (2, 2)  # decode 4 and 2: a tie goes to the smaller
+    register_group(c, "decode", "d2", 4)
+    assert sizes(15.0) == (2, 4)
+    drain(c, "d2")  # a draining worker takes no new work: its size does not count
+    assert sizes(20.0) == (2, 2)
+    for wid in ("p0", "p1", "p2"):
+        drain(c, wid)
+    assert sizes(25.0) == (1, 2)  # no live prefill worker: 1
+    (report,) = c.planning.reports()
+    assert (report.load["prefill_tp"], report.load["decode_tp"]) == (1.0, 2.0)

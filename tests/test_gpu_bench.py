@@ -25,6 +25,8 @@ CHECKS = [
     "nccl transfer",
     "TTFT / TPOT via pdserve bench",
     "layer-by-layer transfer overlap",
+    "tp2 greedy tokens vs TP 1 (NCCL)",
+    "tp2 decode step, batch 1 (1B shapes)",
 ]
 
 
@@ -47,7 +49,7 @@ def test_without_cuda_every_row_is_skipped_with_its_reason(tmp_path) -> None:
     assert cuda_reason.endswith("is a CPU-only build") or cuda_reason == (
         "torch.cuda.is_available() is False (no driver or no visible GPU)"
     )
-    for name in ("flashinfer", "nixl", "nccl"):
+    for name in ("flashinfer", "nixl", "nccl", "two_gpus"):
         assert caps[name][0] is False
         assert caps[name][1].startswith(f"no CUDA ({cuda_reason})")
     rows = result["rows"]

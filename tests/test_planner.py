@@ -5,19 +5,24 @@ The profile is linear so each figure can be worked by hand: prefill 1 ms a token
 step 20 ms + 2 ms a sequence at 100 tokens of context, + 4 ms a sequence at 1,000 (so
 20 ms + 3 ms a sequence at 550); 1,000 KV blocks of 16 tokens a worker. Targets: TTFT 2 s,
 TPOT 0.1 s; config defaults (spare 0.2, hysteresis 0.15, cool-downs 10 s up, 60 s down).
+``FAST`` is the same model as a tensor-parallel group of 2 twice as fast: every prefill and
+decode step takes half the time.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdserve.coordinator.planner import Load, Planner, PlannerConfig, Targets
-from pdserve.coordinator.profile import Profile
+from pdserve.coordinator.planner_args import add_planner_args, planner_factory
+from pdserve.coordinator.profile import Profile, shipped_profile
 
 PROFILE = Profile(
     model="m",
@@ -29,6 +34,13 @@ PROFILE = Profile(
     decode=tuple(
         (b, c, 0.02 + (0.002 if c == 100 else 0.004) * b) for c in (100, 1000) for b in (1, 8, 64)
     ),
+)
+
+FAST = replace(
+    PROFILE,
+    tensor_parallel_size=2,
+    prefill=tuple((n, t / 2) for n, t in PROFILE.prefill),
+    decode=tuple((b, c, t / 2) for b, c, t in PROFILE.decode),
 )
 
 
@@ -75,8 +87,9 @@ def simulate(
     return out
 
 
-def planner(profile: Profile | None = PROFILE, **config: Any) -> Planner:
-    return Planner(profile, Targets(ttft_s=2.0, tpot_s=0.1), PlannerConfig(**config))
+def planner(profile: Profile | None = PROFILE, *more: Profile, **config: Any) -> Planner:
+    profiles = [] if profile is None else [profile]
+    return Planner([*profiles, *more], Targets(ttft_s=2.0, tpot_s=0.1), PlannerConfig(**config))
 
 
 def test_steady_load_holds_its_counts() -> None:
@@ -236,7 +249,7 @@ def test_live_signals(
 def test_a_tpot_target_out_of_reach_does_not_buy_workers() -> None:
     # TPOT 15 ms, under one sequence's 23 ms step at 550 tokens: steps of up to 46 ms (b = 8,
     # 44 ms); 4/s: 4·100·0.044/8 = 2.2 -> 3 workers, where b = 1 would want 4·100·0.023 -> 12
-    tight = Planner(PROFILE, Targets(ttft_s=2.0, tpot_s=0.015), PlannerConfig())
+    tight = Planner([PROFILE], Targets(ttft_s=2.0, tpot_s=0.015), PlannerConfig())
     plan = tight.plan("m", steady(), 0.0)
     assert plan.decode == 3
     assert plan.reason.endswith("decode 3: arrivals 2.20 (tpot out of reach)")
@@ -307,6 +320,8 @@ def test_bad_figures_are_cleaned() -> None:
     assert (plan.prefill, plan.decode) == (1, 1)
     assert (plan.load.arrival_rate, plan.load.prompt_tokens) == (0.0, 0.0)
     assert (plan.load.decode_running, plan.load.ttft_p90_s) == (0, None)
+    sizes = planner().plan("m", load(prefill_tp=0, decode_tp=-2), 0.0).load
+    assert (sizes.prefill_tp, sizes.decode_tp) == (1, 1)  # no size below one rank
     huge = planner().plan("m", steady(arrival_rate=1e308, prompt_tokens=1e308), 0.0)
     assert huge.prefill == 1 << 16
 
@@ -332,5 +347,108 @@ def test_a_local_prefill_never_stalls_streams_longer_than_the_ttft_target() -> N
     """One stall a stream would allow 5 s of prefill at 0.1/s (the case above: 2,000 tokens);
     a TTFT target of 0.5 s bounds the gap every stream of the worker sees to 0.5 s: 496."""
     quiet = steady(arrival_rate=0.1, decode_running=20, decode_workers=2)
-    tight = Planner(PROFILE, Targets(ttft_s=0.5, tpot_s=0.1), PlannerConfig())
+    tight = Planner([PROFILE], Targets(ttft_s=0.5, tpot_s=0.1), PlannerConfig())
     assert tight.plan("m", quiet, 0.0).max_local_prefill_tokens == 496
+
+
+# ---- profiles by tensor-parallel size --------------------------------------------------------
+
+# λ = 16/s, 5,000 prompt tokens queued: at TP 1 prefill 16·0.5 s + 5000·0.001/2 s = 10.5
+# workers -> 13; decode b = 26 (KV-bound), Little: 16·100·0.098/26 = 6.03 -> 8. At TP 2 every
+# figure halves: prefill 5.25 -> 7, decode 16·100·0.049/26 = 3.02 -> 4
+BUSY = {**STEADY, "arrival_rate": 16.0, "prefill_queue_tokens": 5000}
+
+
+@pytest.mark.parametrize(
+    ("sizes", "counts", "reason"),
+    [
+        ((1, 1), (13, 8), "prefill 13: arrivals 10.50; decode 8: arrivals 6.03"),
+        ((1, 2), (13, 4), "prefill 13: arrivals 10.50; decode 4: arrivals 3.02"),
+        ((2, 1), (7, 8), "prefill 7: arrivals 5.25; decode 8: arrivals 6.03"),
+        ((2, 2), (7, 4), "prefill 7: arrivals 5.25; decode 4: arrivals 3.02"),
+    ],
+)
+def test_each_pool_is_sized_with_the_profile_at_its_tensor_parallel_size(
+    sizes: tuple[int, int], counts: tuple[int, int], reason: str
+) -> None:
+    prefill_tp, decode_tp = sizes
+    busy = load(**BUSY, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    plan = planner(PROFILE, FAST).plan("m", busy, 0.0)
+    assert ((plan.prefill, plan.decode), plan.reason) == (counts, reason)
+    assert (plan.load.prefill_tp, plan.load.decode_tp) == sizes
+
+
+def test_a_size_without_a_profile_goes_by_live_signals_and_says_so() -> None:
+    # TP 4: no profile; as with none, 5,000 queued tokens: 5000/2048 = 2.44 -> 3, decode idle
+    plan = planner(PROFILE, FAST).plan("m", load(**BUSY, prefill_tp=4, decode_tp=4), 0.0)
+    assert (plan.prefill, plan.decode, plan.max_local_prefill_tokens) == (3, 1, 0)
+    assert plan.reason == (
+        "prefill 3: queue 2.44 (no profile at TP 4); decode 1: min (no profile at TP 4)"
+    )
+    # one pool at a profiled size, the other not
+    plan = planner(FAST).plan("m", load(**BUSY, prefill_tp=2, decode_tp=1), 0.0)
+    assert plan.reason == "prefill 7: arrivals 5.25; decode 1: min (no profile at TP 1)"
+    # a planner with no profile at all says nothing of sizes: live signals, as ever
+    assert planner(None).plan("m", load(**BUSY, decode_tp=2), 0.0).reason == (
+        "prefill 3: queue 2.44; decode 1: min"
+    )
+
+
+@pytest.mark.parametrize(("decode_tp", "tokens"), [(1, 64), (2, 176), (4, 0)])
+def test_the_local_prefill_threshold_reads_the_decode_workers_profile(
+    decode_tp: int, tokens: int
+) -> None:
+    # idle: TP 1 leaves 78 ms beside a 22 ms step: 78 tokens -> 64; TP 2 leaves 89 ms beside
+    # 11 ms, at 0.5 ms a token: 178 -> 176; TP 4: no profile, no local prefill
+    plan = planner(PROFILE, FAST).plan("m", load(decode_tp=decode_tp), 0.0)
+    assert plan.max_local_prefill_tokens == tokens
+
+
+@pytest.mark.parametrize(("prefill_tp", "tokens"), [(1, 2000), (2, 240), (4, 2000)])
+def test_whether_the_prefill_pool_is_the_bottleneck_is_read_at_its_size(
+    prefill_tp: int, tokens: int
+) -> None:
+    # 3,000 queued on one prefill worker: 3 s at TP 1 (over the 2 s TTFT: the bottleneck, one
+    # stall a stream -> 2,000), 1.5 s at TP 2 (not: 240, as in test_local_prefill_threshold);
+    # TP 4 has no profile: the decode workers' (TP 1) speed stands in
+    busy = steady(decode_running=20, decode_workers=2, prefill_queue_tokens=3000)
+    plan = planner(PROFILE, FAST).plan("m", replace(busy, prefill_tp=prefill_tp), 0.0)
+    assert plan.max_local_prefill_tokens == tokens
+
+
+def test_two_profiles_at_one_size_are_refused() -> None:
+    with pytest.raises(ValueError, match="two profiles of 'm' at tensor-parallel size 2"):
+        planner(FAST, replace(FAST, kv_blocks=10))
+
+
+def _factory(paths: list[Path]) -> Callable[[str], Planner]:
+    parser = argparse.ArgumentParser()
+    add_planner_args(parser)
+    return planner_factory(parser.parse_args([f"--profile={p}" for p in paths]))
+
+
+def test_profile_flags_are_by_model_and_size(tmp_path: Path) -> None:
+    files = {}
+    for name, profile in {
+        "m1": PROFILE,
+        "m2": FAST,
+        "other": replace(FAST, model="other"),
+        "m1-again": replace(PROFILE, kv_blocks=10),
+        "shipped-tp2": replace(FAST, model="smollm2-135m-instruct"),
+        "shipped-tp1": replace(PROFILE, model="smollm2-135m-instruct"),
+    }.items():
+        files[name] = tmp_path / f"{name}.json"
+        profile.save(files[name])
+    make = _factory([files["m1"], files["m2"], files["other"]])
+    assert make("m").profiles == {1: PROFILE, 2: FAST}  # one model at two sizes
+    assert make("other").profiles == {2: replace(FAST, model="other")}
+    assert make("unprofiled").profiles == {}
+    with pytest.raises(ValueError, match="two profiles for model 'm' at tensor-parallel size 1"):
+        _factory([files["m1"], files["m2"], files["m1-again"]])
+    # the shipped profile (of one rank) stands at TP 1 where no flag gives one there
+    shipped = shipped_profile("smollm2-135m-instruct")
+    assert _factory([])("smollm2-135m-instruct").profiles == {1: shipped}
+    group = _factory([files["shipped-tp2"]])("smollm2-135m-instruct").profiles
+    assert group == {1: shipped, 2: replace(FAST, model="smollm2-135m-instruct")}
+    given = _factory([files["shipped-tp1"]])("smollm2-135m-instruct").profiles
+    assert given == {1: replace(PROFILE, model="smollm2-135m-instruct")}

@@ -81,8 +81,23 @@ def test_round_trip(tmp_path: Path) -> None:
     assert Profile.load(path) == GRID
     assert Profile.from_json(json.loads(json.dumps(GRID.to_json()))) == GRID
     lines = path.read_text().splitlines()
-    assert lines[7:11] == [' "prefill": [', "  [100, 1.0],", "  [200, 2.5],", "  [400, 6.0]"]
-    assert len(lines) == 20  # one point a line
+    assert lines[4:6] == [' "threads": 1,', ' "tensor_parallel_size": 1,']
+    assert lines[8:12] == [' "prefill": [', "  [100, 1.0],", "  [200, 2.5],", "  [400, 6.0]"]
+    assert len(lines) == 21  # one point a line
+
+
+def test_a_tensor_parallel_profile_round_trips_and_old_files_are_of_one_rank(
+    tmp_path: Path,
+) -> None:
+    group = _profile(tensor_parallel_size=4)
+    path = tmp_path / "tp4.json"
+    group.save(path)
+    assert ' "tensor_parallel_size": 4,' in path.read_text().splitlines()
+    back = Profile.load(path)
+    assert back == group and back.tensor_parallel_size == 4
+    # written before profiles had a size: of one rank
+    old = {k: v for k, v in GRID.to_json().items() if k != "tensor_parallel_size"}
+    assert Profile.from_json(old) == GRID and Profile.from_json(old).tensor_parallel_size == 1
 
 
 def _bad(**changes: Any) -> dict[str, Any]:
@@ -105,6 +120,11 @@ def _bad(**changes: Any) -> dict[str, Any]:
         (_bad(threads=0), r"threads: 0 is not an integer in \[1, 4096\]"),
         (_bad(threads=True), "threads: True is not an integer"),
         (_bad(threads=1.5), "threads: 1.5 is not an integer"),
+        (_bad(tensor_parallel_size=0), r"tensor_parallel_size: 0 is not an integer in \[1, 1024\]"),
+        (_bad(tensor_parallel_size=1025), "tensor_parallel_size: 1025 is not an integer"),
+        (_bad(tensor_parallel_size=True), "tensor_parallel_size: True is not an integer"),
+        (_bad(tensor_parallel_size="2"), "tensor_parallel_size: '2' is not an integer"),
+        (_bad(tensor_parallel_size=None), "tensor_parallel_size: None is not an integer"),
         (_bad(block_size=1 << 20), "block_size"),
         (_bad(kv_blocks="100"), "kv_blocks"),
         (_bad(prefill=[]), "prefill: 1 to 1024 points"),
@@ -153,6 +173,7 @@ def test_shipped_profile() -> None:
     profile = shipped_profile("smollm2-135m-instruct")
     assert profile is not None
     assert (profile.model, profile.device, profile.threads) == ("smollm2-135m-instruct", "cpu", 1)
+    assert profile.tensor_parallel_size == 1  # the shipped file says none: one rank
     assert (profile.block_size, profile.kv_blocks) == (16, 364)  # 256 MiB of float32 KV
     assert [n for n, _ in profile.prefill] == [32, 128, 512, 1024, 2048]
     assert {(b, c) for b, c, _ in profile.decode} == {
@@ -174,7 +195,7 @@ def test_pdserve_profile_on_the_tiny_model(tiny_dir: Path, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     profile = Profile.load(out)
     assert (profile.model, profile.threads, profile.block_size) == (tiny_dir.name, 1, 4)
-    assert profile.kv_blocks == 64
+    assert (profile.kv_blocks, profile.tensor_parallel_size) == (64, 1)
     assert [n for n, _ in profile.prefill] == [8, 32, 47]  # capped by --max-model-len
     # context 64 is capped at 47; 64 blocks hold 4 sequences of 48 tokens (12 blocks each)
     assert [(b, c) for b, c, _ in profile.decode] == [(1, 16), (4, 16), (1, 47), (4, 47)]
@@ -182,6 +203,33 @@ def test_pdserve_profile_on_the_tiny_model(tiny_dir: Path, tmp_path: Path) -> No
     assert table[0] == f"{tiny_dir.name} on cpu, 1 threads, 64 KV blocks of 4 tokens"
     assert table[-1] == f"wrote {out} ({table[-1].split('(')[1]}"
     assert len(table) == 1 + 1 + 3 + 1 + 4 + 1
+
+
+def test_pdserve_profile_measures_a_tensor_parallel_group(tiny_dir: Path, tmp_path: Path) -> None:
+    """At --tensor-parallel-size 2 the group is measured whole (its rank 1 started here) and
+    the file, named for its size by default, records the size."""
+    cmd = [sys.executable, "-m", "pdserve.launch.cli", "profile", "--model", str(tiny_dir)]
+    cmd += ["--tensor-parallel-size=2", "--dtype=float32", "--threads=1", "--block-size=4"]
+    cmd += ["--num-kv-blocks=64", "--max-model-len=48", "--prompt-lens", "8", "32"]
+    cmd += ["--batches", "1", "4", "--contexts", "16", "--repeats=1", "--steps=1"]
+    cmd += ["--max-step-time=0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / f"profile-{tiny_dir.name}-tp2.json"
+    profile = Profile.load(out)
+    assert (profile.model, profile.tensor_parallel_size, profile.kv_blocks) == (
+        tiny_dir.name,
+        2,
+        64,
+    )
+    assert [n for n, _ in profile.prefill] == [8, 32]
+    assert [(b, c) for b, c, _ in profile.decode] == [(1, 16), (4, 16)]
+    table = done.stdout.splitlines()
+    assert table[0] == (
+        f"{tiny_dir.name} on cpu, tensor-parallel size 2, 1 threads a rank, "
+        "64 KV blocks of 4 tokens"
+    )
+    assert table[-1].startswith(f"wrote {out.name} (")
 
 
 def _profile(**changes: Any) -> Profile:

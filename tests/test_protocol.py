@@ -15,6 +15,7 @@ import zmq
 
 from pdserve.protocol.codec import registered
 from pdserve.protocol.control import (
+    MAX_TENSOR_PARALLEL_SIZE,
     Heartbeat,
     KVEvents,
     KVLayout,
@@ -65,6 +66,17 @@ REGIONS = KVRegions(
     block_bytes=2048,
     num_blocks=128,
     layout=LAYOUT,
+)
+GROUP = Register(  # a tensor-parallel group of 8 ranks: one worker, its rank 0
+    role="decode",
+    worker_id="g0",
+    model="tiny",
+    control_address="ipc://g",
+    transfer_address="tcp://127.0.0.1:6",
+    transfer_backend="zmq",
+    layout=LAYOUT,
+    num_blocks=128,
+    tensor_parallel_size=8,
 )
 SAMPLES = [
     Register(
@@ -226,6 +238,7 @@ SAMPLES = [
     ),
     KVPeers(added=[KVPeer(worker_id="d0", regions=REGIONS)], gone=["d1"]),
     KVAck(request_id="r1#0", ok=False, reason="checksum mismatch"),
+    GROUP,
     KVHeader(
         request_id="r1",
         dst_block_ids=[4, 9],
@@ -279,7 +292,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 10,
+        "v": 11,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -429,9 +442,9 @@ def test_out_of_range_sampling_is_refused_by_the_codec(changes: dict, message: s
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 10"),
-        (abort_frames(v=6), "Abort: protocol version 6, expected 10"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 10"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 11"),
+        (abort_frames(v=6), "Abort: protocol version 6, expected 11"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 11"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
@@ -512,6 +525,28 @@ def test_optional_literal_tuple_and_bytes_fields() -> None:
     assert decode_error([msgpack.packb(fields)]) == "KVHeader.checksum: expected bytes, got str"
     fields["checksum"] = None
     assert decode([msgpack.packb(fields)]).checksum is None
+
+
+def test_a_registers_tensor_parallel_size_is_an_int_the_coordinator_bounds() -> None:
+    """Typed by the codec; bounded, as the worker's other figures, by the coordinator
+    (``register_problem``): a group of 1 to ``MAX_TENSOR_PARALLEL_SIZE`` ranks."""
+    from pdserve.coordinator.registry import register_problem
+
+    (frame,) = encode(GROUP)
+    fields = msgpack.unpackb(frame)
+    assert fields["tensor_parallel_size"] == 8
+    assert msgpack.unpackb(encode(SAMPLES[0])[0])["tensor_parallel_size"] == 1  # the default
+    for value, got in ((True, "bool"), ("8", "str"), (8.0, "float"), (None, "NoneType")):
+        expected = f"Register.tensor_parallel_size: expected int, got {got}"
+        assert decode_error([msgpack.packb({**fields, "tensor_parallel_size": value})]) == expected
+    del fields["tensor_parallel_size"]
+    assert decode_error([msgpack.packb(fields)]) == "Register: missing field 'tensor_parallel_size'"
+    assert MAX_TENSOR_PARALLEL_SIZE == 1024 and register_problem(GROUP) is None
+    assert register_problem(dataclasses.replace(GROUP, tensor_parallel_size=1024)) is None
+    for size in (0, -1, 1025):
+        assert register_problem(dataclasses.replace(GROUP, tensor_parallel_size=size)) == (
+            f"tensor_parallel_size={size} is outside [1, 1024]"
+        )
 
 
 def test_a_workers_load_is_checked_figure_by_figure() -> None:

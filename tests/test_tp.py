@@ -86,6 +86,7 @@ def _run(path: Path, tp: int, lengths: list[int], max_tokens: int = 12, **engine
     eng = make_engine(path, tensor_parallel_size=tp, threads=1, **engine)
     cfg = eng.model_config
     outs = eng.generate(prompts(cfg.vocab_size, lengths, seed=3), greedy(max_tokens, logprobs=0))
+    eng.close()
     return [o.new_token_ids for o in outs], [[lp.logprob for lp in o.new_logprobs] for o in outs]
 
 

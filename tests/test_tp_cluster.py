@@ -21,51 +21,66 @@ def _engine(path: Path, tp: int, **kw: object) -> LLMEngine:
     return make_engine(path, tensor_parallel_size=tp, threads=1, num_blocks=256, **kw)
 
 
+def _batch(vocab: int, seed: int) -> dict[str, list[int]]:
+    """Three prompts, and a fourth sharing the third's 40 tokens (10 blocks of 4)."""
+    base = prompts(vocab, [5, 21, 40], seed=seed)
+    shared = base[2] + prompts(vocab, [9], seed=seed + 100)[0]
+    return {"a": base[0], "b": base[1], "c": base[2], "shared": shared}
+
+
 @pytest.fixture(scope="module")
-def reference(small_dir: Path) -> dict[str, list[int]]:
-    """Greedy tokens of one colocated process (TP 1), by prompt."""
-    eng = make_engine(small_dir, num_blocks=256)
-    base = prompts(eng.model_config.vocab_size, [5, 21, 40], seed=7)
-    shared = base[2] + prompts(eng.model_config.vocab_size, [9], seed=8)[0]  # base[2]'s blocks
-    batch = {"a": base[0], "b": base[1], "c": base[2], "shared": shared}
-    outs = eng.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
-    return {k: o.new_token_ids for k, o in zip(batch, outs, strict=True)} | {
-        f"prompt:{k}": v for k, v in batch.items()
-    }
+def alone(small_dir: Path) -> LLMEngine:
+    """One colocated process (TP 1): the tokens every split must give."""
+    return make_engine(small_dir, num_blocks=256)
 
 
 @pytest.mark.parametrize("backend", ["zmq", "nixl"])
-def test_kv_between_groups_of_any_sizes_is_exact(small_dir: Path, reference, backend) -> None:
-    for p_tp, d_tp in SIZES:
-        engines_p = [_engine(small_dir, p_tp, max_num_batched_tokens=16)]  # chunked prompts
-        engines_d = [_engine(small_dir, d_tp)]
-        cluster = Cluster(engines_p, engines_d, backend)
-        try:
-            for rid in ("a", "b", "c"):
-                cluster.submit(rid, reference[f"prompt:{rid}"], GREEDY)
-            cluster.pump()
-            moved = cluster.workers["p0"].transfers.blocks
-            # a prompt whose leading blocks the decode side holds: only the rest moves
-            cluster.submit("shared", reference["prompt:shared"], GREEDY)
-            cluster.pump()
-            where = f"prefill TP {p_tp} -> decode TP {d_tp} over {backend}"
-            for rid in ("a", "b", "c", "shared"):
-                assert cluster.tokens(rid) == {0: reference[rid]}, where
-            # 49 tokens in 4-token blocks: 13, the first 10 (c's 40 tokens) held by decode
-            shared_blocks = cluster.workers["p0"].transfers.blocks - moved
-            assert shared_blocks == 3, f"{where}: {shared_blocks} blocks moved, not the 3 missing"
-            assert set(cluster.used_blocks().values()) == {0}, where
-            for engine in engines_p + engines_d:  # staging blocks all given back
-                staging = engine.runner.staging
-                assert staging is None or staging.num_free == staging.num_blocks, where
-                assert not engine.handoff.staged_in and not engine.handoff.staged_out, where
-        finally:
-            cluster.close()
-            for engine in engines_p + engines_d:
-                engine.close()
+def test_kv_between_groups_of_any_sizes_is_exact(small_dir: Path, alone, backend) -> None:
+    """Each pair of sizes on the same four engines (TP 1 and 2 of each role), prompts of
+    their own (a decode cache keeps the last pair's blocks)."""
+    engines = {
+        ("p", tp): _engine(small_dir, tp, max_num_batched_tokens=16)  # chunked prompts
+        for tp in (1, 2)
+    } | {("d", tp): _engine(small_dir, tp) for tp in (1, 2)}
+    vocab = alone.model_config.vocab_size
+    try:
+        for i, (p_tp, d_tp) in enumerate(SIZES):
+            batch = _batch(vocab, seed=7 + 10 * i)
+            outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
+            want = {k: o.new_token_ids for k, o in zip(batch, outs, strict=True)}
+            cluster = Cluster([engines["p", p_tp]], [engines["d", d_tp]], backend)
+            try:
+                _check_pair(cluster, batch, want, f"prefill TP {p_tp} -> decode TP {d_tp}")
+            finally:
+                cluster.close()
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
-def test_n_choices_fork_in_a_decode_group(small_dir: Path) -> None:
+def _check_pair(
+    cluster: Cluster, batch: dict[str, list[int]], want: dict[str, list[int]], where: str
+) -> None:
+    for rid in ("a", "b", "c"):
+        cluster.submit(rid, batch[rid], GREEDY)
+    cluster.pump()
+    moved = cluster.workers["p0"].transfers.blocks
+    # a prompt whose leading blocks the decode side holds: only the rest moves
+    cluster.submit("shared", batch["shared"], GREEDY)
+    cluster.pump()
+    for rid in batch:
+        assert cluster.tokens(rid) == {0: want[rid]}, where
+    # 49 tokens in 4-token blocks: 13, the first 10 (c's 40 tokens) held by decode
+    shared_blocks = cluster.workers["p0"].transfers.blocks - moved
+    assert shared_blocks == 3, f"{where}: {shared_blocks} blocks moved, not the 3 missing"
+    assert set(cluster.used_blocks().values()) == {0}, where
+    for worker in cluster.workers.values():  # staging blocks all given back
+        staging, handoff = worker.engine.runner.staging, worker.engine.handoff
+        assert staging is None or staging.num_free == staging.num_blocks, where
+        assert not handoff.staged_in and not handoff.staged_out, where
+
+
+def test_n_choices_fork_in_a_decode_group(small_dir: Path, alone) -> None:
     """n choices of one prompt: its KV lands once in a TP-2 decode group and is copied into
     each choice's last block on every rank (COPY_BLOCKS); seeded choices equal one process."""
     engines = [_engine(small_dir, 1), _engine(small_dir, 2)]
@@ -76,7 +91,6 @@ def test_n_choices_fork_in_a_decode_group(small_dir: Path) -> None:
         cluster.submit("r", prompt, spec, n=3)
         cluster.pump()
         got = cluster.tokens("r")
-        alone = make_engine(small_dir, num_blocks=256)
         for c in range(3):
             params = SamplingParams(max_tokens=6, temperature=1.0, seed=5 + c, ignore_eos=True)
             assert got[c] == alone.generate([prompt], params)[0].new_token_ids

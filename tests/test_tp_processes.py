@@ -13,8 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.runtime.sockets import free_port
 from tests.e2e_util import ServedCluster
+from tests.engine_util import greedy, make_engine
 from tests.test_e2e_resilience import stream_on_a_decode_worker
 
 PDSERVE = [sys.executable, "-m", "pdserve.launch.cli"]
@@ -65,25 +67,11 @@ def _finish(*procs: subprocess.Popen[str]) -> list[tuple[int, str]]:
 def test_a_rank_started_apart_joins_and_the_tokens_are_one_processs(small_dir: Path) -> None:
     (rc0, out0), (rc1, out1) = _finish(*_pair(small_dir, small_dir))
     assert rc0 == 0 and rc1 == 0, out0[-3000:] + out1[-3000:]
-    alone = subprocess.run(
-        [
-            *PDSERVE,
-            "generate",
-            f"--model={small_dir}",
-            "--num-kv-blocks=64",
-            "--dtype=float32",
-            "--max-tokens=6",
-            "--ignore-eos",
-            "--json",
-            "hello there",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
     line = [x for x in out0.splitlines() if x.startswith("{")][-1]
-    ref = [x for x in alone.stdout.splitlines() if x.startswith("{")][-1]
-    assert json.loads(line)["token_ids"] == json.loads(ref)["token_ids"]
+    tok = Tokenizer.from_dir(small_dir)
+    alone = make_engine(small_dir, num_blocks=64)
+    want = alone.generate([tok.encode("hello there")], greedy(6))[0].new_token_ids
+    assert json.loads(line)["token_ids"] == want
 
 
 def test_ranks_with_other_model_files_refuse_to_start(small_dir: Path, tiny_dir: Path) -> None:

@@ -331,12 +331,28 @@ def test_a_prefill_worker_registers_with_its_defaults(
     assert re.fullmatch(r"tcp://127\.0\.0\.1:[1-9][0-9]*", reg.control_address)
     assert (reg.role, reg.model, reg.model_root) == ("prefill", tiny_dir.name, str(tiny_dir))
     assert (reg.transfer_address, reg.transfer_backend) == ("", "zmq")
-    assert (reg.num_blocks, reg.max_model_len) == (64, 512)
+    assert (reg.num_blocks, reg.max_model_len, reg.tensor_parallel_size) == (64, 512, 1)
     assert reg.layout == KVLayout(
         block_size=8, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, weights="none"
     )
     last = [msg for msg in coordinator.got if isinstance(msg, Heartbeat)][-1]
     assert (last.worker_id, last.load.draining, last.load.total_blocks) == (reg.worker_id, True, 64)
+
+
+def test_a_tensor_parallel_group_registers_as_one_worker_of_its_size(
+    coordinator: FakeCoordinator, tiny_dir: Path
+) -> None:
+    """Rank 0 of a group of 2 (its rank 1 started here) registers once, with the group's size:
+    what the planner reads its profile at."""
+    flags = [*engine_flags(tiny_dir), "--tensor-parallel-size=2", "--threads=1", "--dtype=float32"]
+    args = parse(add_prefill_args, *flags)
+    args.coordinator = coordinator.address
+    assert run_prefill(args) == 0
+    assert coordinator.drained.wait(HANG_S), "no draining heartbeat after the stop"
+    registered = {msg.worker_id for msg in coordinator.got if isinstance(msg, Register)}
+    reg = coordinator.first(Register)
+    assert registered == {reg.worker_id}
+    assert (reg.role, reg.tensor_parallel_size, reg.num_blocks) == ("prefill", 2, 64)
 
 
 def test_a_colocated_decode_worker_advertises_its_host(
@@ -391,7 +407,7 @@ def test_the_coordinator_writes_its_bound_address(env: pytest.MonkeyPatch, tmp_p
     assert re.fullmatch(r"tcp://127\.0\.0\.1:[1-9][0-9]*", served[0])
     assert address_file.read_text() == served[0]
     kw_planner = made[0][1]["make_planner"]
-    assert kw_planner("tiny").profile is None  # no profile shipped for a random model
+    assert kw_planner("tiny").profiles == {}  # no profile shipped for a random model
     assert not Path(f"{address_file}.tmp").exists()
     assert made == [
         (

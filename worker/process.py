@@ -190,6 +190,7 @@ def _register(
         model_root=os.path.abspath(config.model),
         max_model_len=engine.max_model_len,
         kv_regions=None if parts.transport is None else parts.transport.regions,
+        tensor_parallel_size=config.tensor_parallel_size,  # a group registers as one worker
     )
 
 

@@ -19,6 +19,8 @@ Rows, in order (bench/micro/gpu_model.py, gpu_attention.py, gpu_serving.py):
     nccl transfer                                two GPUs: two processes; one: one rank to itself
     TTFT / TPOT via pdserve bench                the nixl cluster above
     layer-by-layer transfer overlap              whether it is on
+    tp2 greedy tokens / decode step              a TP-2 group over NCCL against one process
+                                                 (bench/micro/gpu_tp.py; two GPUs)
 
 Without CUDA it exits 0 at once, every row ``skipped: <reason>`` (from engine/platform.py).
 A row that fails says ``error: ...`` and the script exits 1; aims not met do not fail it.
@@ -45,7 +47,7 @@ class Row:
     key: str
     check: str
     aim: str
-    needs: str  # the capability it runs on: cuda | flashinfer | nixl | nccl
+    needs: str  # the capability it runs on: cuda | flashinfer | nixl | nccl | two_gpus
     result: str = ""
 
 
@@ -65,6 +67,8 @@ def rows() -> list[Row]:
         Row("nccl", "nccl transfer", "bytes equal", "nccl"),
         Row("ttft_tpot", "TTFT / TPOT via pdserve bench", "", "nixl"),
         Row("overlap", "layer-by-layer transfer overlap", "on for long prompts", "cuda"),
+        Row("tp_greedy", "tp2 greedy tokens vs TP 1 (NCCL)", "all equal", "two_gpus"),
+        Row("tp_decode_1", "tp2 decode step, batch 1 (1B shapes)", "<= 0.6x TP 1", "two_gpus"),
     ]
 
 
@@ -74,7 +78,17 @@ def capabilities() -> dict[str, tuple[bool, str]]:
         "flashinfer": platform.flashinfer_status(),
         "nixl": platform.nixl_gpu_status(),
         "nccl": platform.cupy_nccl_status(),
+        "two_gpus": _two_gpus(),
     }
+
+
+def _two_gpus() -> tuple[bool, str]:
+    cuda = platform.cuda_status()
+    if not cuda[0]:
+        return False, f"no CUDA ({cuda[1]})"
+    from pdserve.bench.micro.gpu_tp import two_gpus_status
+
+    return two_gpus_status()
 
 
 def run_sections(table: dict[str, Row], caps: dict[str, tuple[bool, str]]) -> None:
@@ -93,6 +107,7 @@ def run_sections(table: dict[str, Row], caps: dict[str, tuple[bool, str]]) -> No
         (["nixl_bw"], lambda: gpu_serving.nixl_bandwidth(work)),
         (["nccl"], gpu_serving.nccl_row),
         (["overlap"], lambda: {"overlap": gpu_serving.OVERLAP}),
+        (["tp_greedy", "tp_decode_1"], _tp_rows),
     ]
     for keys, section in sections:
         todo = [k for k in keys if caps[table[k].needs][0]]
@@ -109,6 +124,12 @@ def run_sections(table: dict[str, Row], caps: dict[str, tuple[bool, str]]) -> No
             for k in todo:
                 table[k].result = table[k].result or f"error: {type(exc).__name__}: {exc}"
         print(f"[gpu bench] ... {time.monotonic() - start:.0f} s", flush=True)
+
+
+def _tp_rows() -> dict[str, str]:
+    from pdserve.bench.micro.gpu_tp import tp_rows
+
+    return tp_rows()
 
 
 def print_table(table: list[Row]) -> None:

@@ -49,6 +49,19 @@ def usable() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` lives: a zombie (rank 0's own child, killed and not yet reaped)
+    does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # unreadable here: assume it lives, the timeout still bounds the wait
+    return state not in (b"Z", b"X")
+
+
 class ShmCollectives:
     """Rank ``rank`` of ``size`` on one mapping; ``create`` on rank 0, then ``attach`` on the
     others by its name, then ``unlink`` once all have attached."""
@@ -184,14 +197,8 @@ class ShmCollectives:
 
     def _check_ranks_live(self) -> None:
         for rank, pid in enumerate(self._pids.tolist()):
-            if rank == self.rank or pid <= 0:
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if rank != self.rank and pid > 0 and not _running(pid):
                 self._fail(f"rank {rank} (pid {pid}) is gone")
-            except PermissionError:
-                pass  # alive, another user's: not ours to signal
 
     def _fail(self, why: str) -> None:
         from pdserve.engine.tp.group import GroupFailed
