@@ -12,7 +12,7 @@ import pytest
 from pdserve.engine.tokenizer import Tokenizer
 from tests.e2e_util import LOCAL_SH, PDSERVE, ServedCluster
 from tests.engine_util import greedy, hf_greedy, make_engine
-from tests.gateway_util import wait_until
+from tests.gateway_util import wait_for, wait_until
 
 PROMPTS = ["The quick brown fox", "Serving systems split prefill", "a", "Ünïcödé 数字 and 123"]
 
@@ -186,7 +186,8 @@ def test_each_workers_steps_reach_metrics(cluster) -> None:
     want = dict(before)
     want["prefill", "prefill"] = before.get(("prefill", "prefill"), 0.0) + 1
     want["decode", "decode"] = before.get(("decode", "decode"), 0.0) + 3
-    wait_until(lambda: step_counts(cluster) == want, what=f"steps {want}")
+    if not wait_for(lambda: step_counts(cluster) == want, 60):
+        raise AssertionError(f"steps {step_counts(cluster)}, not {want} within 60 s")
     assert set(cluster.wait_blocks_free().values()) == {0.0}
     assert step_counts(cluster) == want  # and no more: every step of the request was counted
     assert not {k for k in want if k[0] == "prefill" and k[1] != "prefill"}  # never decodes

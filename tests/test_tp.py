@@ -94,12 +94,12 @@ def _close(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_group_tokens_equal_one_process(small_dir: Path, tp: int) -> None:
-    """small: 8 query / 4 KV heads, an untied head split by vocabulary; chunked prompts."""
+def test_group_tokens_equal_one_process(small_dir: Path) -> None:
+    """small at TP 2: 8 query / 4 KV heads, an untied head split by vocabulary; chunked
+    prompts (TP 4, below, takes the tied head and replicated KV heads)."""
     lengths = [1, 5, 17, 40]
     ref_tokens, ref_lps = _run(small_dir, 1, lengths, max_num_batched_tokens=32)
-    tokens, lps = _run(small_dir, tp, lengths, max_num_batched_tokens=32)
+    tokens, lps = _run(small_dir, 2, lengths, max_num_batched_tokens=32)
     assert tokens == ref_tokens
     assert _close(lps, ref_lps) < LOGPROB_BOUND
 

@@ -103,7 +103,7 @@ def test_a_rank_killed_mid_stream_ends_its_group_and_the_stream_moves(small_dir:
         body = {
             "model": c.model_name,
             "prompt": "a long story",
-            "max_tokens": 600,
+            "max_tokens": 300,
             "ignore_eos": True,
             "stream": True,
         }

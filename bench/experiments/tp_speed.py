@@ -27,7 +27,7 @@ ARMS = {  # name: (tensor-parallel size, threads a rank)
     "tp1-2threads": (1, 2),
     "tp2-1thread-a-rank": (2, 1),
 }
-DECODE_STEPS = 12
+DECODE_STEPS, WARM_STEPS = 32, 4  # timed decode steps, after untimed ones
 
 
 def model_dir() -> Path:
@@ -84,11 +84,13 @@ def one_arm(model: Path, tp: int, threads: int, prefill_tokens: int) -> dict[str
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
     for streams in (1, 8):
-        params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, ignore_eos=True)
+        steps_left = DECODE_STEPS + WARM_STEPS + 1
+        params = SamplingParams(max_tokens=steps_left, temperature=0.0, ignore_eos=True)
         for i in range(streams):
             prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
             engine.add_request(f"d{streams}-{i}", prompt, params)
-        engine.step()  # the prompts
+        for _ in range(1 + WARM_STEPS):  # the prompts, then steps not timed
+            engine.step()
         steps, reduce_s[0] = [], 0.0
         while engine.has_unfinished():
             start = time.perf_counter()

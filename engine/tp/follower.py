@@ -56,8 +56,10 @@ def run_rank(config: EngineConfig, rank: int) -> int:
 
 
 def pin(config: EngineConfig, rank: int) -> None:
-    """``--threads`` torch threads, on cores of this rank's own where the host has them all
-    (rank r: cores [r·t, (r+1)·t) of those this process may use); CUDA: GPU ``rank``."""
+    """``--threads`` torch threads a rank; where the group was given exactly its cores (the
+    process's allowed cores are ``threads`` x size: ``pdserve serve --pin``, taskset, a pod's
+    cpuset), rank r takes cores [r·t, (r+1)·t) of them. Otherwise no pinning: groups sharing
+    a host would all pin to its first cores. CUDA: the rank's GPU."""
     if config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(config.device))
         return
@@ -66,9 +68,9 @@ def pin(config: EngineConfig, rank: int) -> None:
     torch.set_num_threads(config.threads)
     cores = sorted(os.sched_getaffinity(0))
     need = config.threads * config.tensor_parallel_size
-    if len(cores) < need:
+    if len(cores) != need:
         logger.info(
-            "tensor-parallel rank %d not pinned: %d cores for %d ranks x %d threads",
+            "tensor-parallel rank %d not pinned: %d cores allowed, not %d ranks x %d threads",
             rank,
             len(cores),
             config.tensor_parallel_size,

@@ -105,7 +105,8 @@ class KVStaging:
         with self.group.lock:
             self.group.command(Command.GATHER_KV, ids)
             parts = gather_heads(self.group, self.cache_layers, ids)
-        assert parts is not None  # rank 0
+        if parts is None:
+            raise RuntimeError("staging blocks are rank 0's: another rank exported KV")
         dst = _ids(staged).to(self.layers[0].device)
         for layer_index, layer in enumerate(self.layers):
             whole = torch.cat([parts[r][layer_index] for r in self._owners], dim=3)
