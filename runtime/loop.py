@@ -119,9 +119,29 @@ class RateLimitedLog:
         self.logger.error(fmt, *args)
 
 
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT (main thread only)."""
-    stop = threading.Event()
+class StopFlag:
+    """Set once a role should stop: a plain attribute, no lock, so a signal handler may set
+    it. A ``threading.Event`` set from the handler deadlocked when a second signal came in
+    the middle of the first one's ``set`` (its lock held by the very frame the second handler
+    interrupted): a worker hung forever after two SIGTERMs, outliving its cluster."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+class Stop(Protocol):
+    def is_set(self) -> bool: ...
+
+
+def stop_on_signals() -> StopFlag:
+    """A flag set by SIGTERM or SIGINT (main thread only)."""
+    stop = StopFlag()
 
     def _handler(signum: int, frame: object) -> None:
         stop.set()
@@ -144,7 +164,7 @@ def serve(
     handle: Callable[..., None],
     step: Callable[[], bool],
     periodic: Callable[[float], None],
-    stop: threading.Event,
+    stop: Stop,
     period_s: float = 1.0,
     idle_wait_ms: int = 5,
     drain: Drain | None = None,

@@ -18,7 +18,9 @@ SIZES = [(2, 1), (1, 2), (2, 2)]  # (prefill TP, decode TP)
 
 
 def _engine(path: Path, tp: int, **kw: object) -> LLMEngine:
-    return make_engine(path, tensor_parallel_size=tp, threads=1, num_blocks=256, **kw)
+    return make_engine(
+        path, tensor_parallel_size=tp, threads=1, num_blocks=256, tp_timeout_s=120.0, **kw
+    )
 
 
 def _batch(vocab: int, seed: int) -> dict[str, list[int]]:
@@ -34,28 +36,32 @@ def alone(small_dir: Path) -> LLMEngine:
     return make_engine(small_dir, num_blocks=256)
 
 
+@pytest.fixture(scope="module")
+def engines(small_dir: Path):
+    """TP 1 and TP 2 engines of each role, shared by every pair of sizes and transport (a
+    group's start is most of what these tests cost)."""
+    made = {("p", tp): _engine(small_dir, tp, max_num_batched_tokens=16) for tp in (1, 2)}
+    made |= {("d", tp): _engine(small_dir, tp) for tp in (1, 2)}  # prefill above: chunked
+    yield made
+    for engine in made.values():
+        engine.close()
+
+
 @pytest.mark.parametrize("backend", ["zmq", "nixl"])
-def test_kv_between_groups_of_any_sizes_is_exact(small_dir: Path, alone, backend) -> None:
-    """Each pair of sizes on the same four engines (TP 1 and 2 of each role), prompts of
-    their own (a decode cache keeps the last pair's blocks)."""
-    engines = {
-        ("p", tp): _engine(small_dir, tp, max_num_batched_tokens=16)  # chunked prompts
-        for tp in (1, 2)
-    } | {("d", tp): _engine(small_dir, tp) for tp in (1, 2)}
+def test_kv_between_groups_of_any_sizes_is_exact(alone, engines, backend) -> None:
+    """Each pair of sizes, prompts of its own (a decode cache keeps the blocks of the pairs
+    before it)."""
     vocab = alone.model_config.vocab_size
-    try:
-        for i, (p_tp, d_tp) in enumerate(SIZES):
-            batch = _batch(vocab, seed=7 + 10 * i)
-            outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
-            want = {k: o.new_token_ids for k, o in zip(batch, outs, strict=True)}
-            cluster = Cluster([engines["p", p_tp]], [engines["d", d_tp]], backend)
-            try:
-                _check_pair(cluster, batch, want, f"prefill TP {p_tp} -> decode TP {d_tp}")
-            finally:
-                cluster.close()
-    finally:
-        for engine in engines.values():
-            engine.close()
+    for i, (p_tp, d_tp) in enumerate(SIZES):
+        batch = _batch(vocab, seed=7 + 10 * i + (100 if backend == "nixl" else 0))
+        outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
+        want = {k: o.new_token_ids for k, o in zip(batch, outs, strict=True)}
+        cluster = Cluster([engines["p", p_tp]], [engines["d", d_tp]], backend)
+        try:
+            where = f"prefill TP {p_tp} -> decode TP {d_tp} over {backend}"
+            _check_pair(cluster, batch, want, where)
+        finally:
+            cluster.close()
 
 
 def _check_pair(
@@ -80,14 +86,13 @@ def _check_pair(
         assert not handoff.staged_in and not handoff.staged_out, where
 
 
-def test_n_choices_fork_in_a_decode_group(small_dir: Path, alone) -> None:
+def test_n_choices_fork_in_a_decode_group(alone, engines) -> None:
     """n choices of one prompt: its KV lands once in a TP-2 decode group and is copied into
     each choice's last block on every rank (COPY_BLOCKS); seeded choices equal one process."""
-    engines = [_engine(small_dir, 1), _engine(small_dir, 2)]
-    cluster = Cluster(engines[:1], engines[1:], "zmq")
+    cluster = Cluster([engines["p", 1]], [engines["d", 2]], "zmq")
     try:
         spec = m.SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
-        prompt = prompts(engines[0].model_config.vocab_size, [10], seed=4)[0]
+        prompt = prompts(alone.model_config.vocab_size, [10], seed=4)[0]
         cluster.submit("r", prompt, spec, n=3)
         cluster.pump()
         got = cluster.tokens("r")
@@ -97,5 +102,3 @@ def test_n_choices_fork_in_a_decode_group(small_dir: Path, alone) -> None:
         assert set(cluster.used_blocks().values()) == {0}
     finally:
         cluster.close()
-        for engine in engines:
-            engine.close()
