@@ -111,3 +111,34 @@ def test_replicated_kv_heads_and_a_tied_head(tiny_dir: Path) -> None:
     tokens, lps = _run(tiny_dir, 4, lengths)
     assert tokens == ref_tokens
     assert _close(lps, ref_lps) < LOGPROB_BOUND
+
+
+def test_request_features_in_a_group_equal_one_process(tiny_dir: Path) -> None:
+    """At TP 2 as in one process: a regex-constrained output (rank 0's matcher), a seeded
+    sampled one with penalties, a prompt served again from the prefix cache, and a cache too
+    small for all of them at once (preemption and recompute on every rank)."""
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.protocol.sampling import SamplingParams, StructuredSpec
+
+    tok = Tokenizer.from_dir(tiny_dir)
+    spec = StructuredSpec("regex", r"[a-z]{3,6}-[0-9]{2}")
+    prompt = tok.encode("a prompt of a few words, long enough to fill some blocks")
+    batch = [prompt, prompt, prompt[:9], prompt + prompt]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, structured=spec),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=11, frequency_penalty=0.5),
+        greedy(24),
+        greedy(24),
+    ]
+    runs = []
+    for tp in (1, 2):
+        eng = make_engine(tiny_dir, tensor_parallel_size=tp, threads=1, num_blocks=24)
+        first = eng.generate(batch[:1], params[:1])  # its blocks stay in the prefix cache
+        outs = first + eng.generate(batch[1:], params[1:])
+        runs.append(([o.new_token_ids for o in outs], eng.scheduler.preemptions))
+        assert eng.scheduler.prefix_hit_tokens > 0
+        eng.close()
+    (one, preempted_one), (two, preempted_two) = runs
+    assert two == one
+    assert preempted_two == preempted_one > 0
+    assert tok.decode(one[0]).count("-") == 1  # the constrained one matched
