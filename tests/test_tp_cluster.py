@@ -102,3 +102,20 @@ def test_n_choices_fork_in_a_decode_group(alone, engines) -> None:
         assert set(cluster.used_blocks().values()) == {0}
     finally:
         cluster.close()
+
+
+def test_a_colocated_group_prefills_and_decodes_itself(alone, engines) -> None:
+    """A TP-2 worker that runs both phases (colocated, the local-prefill path): its prompts
+    never leave it, the tokens equal one process's."""
+    cluster = Cluster([], [engines["d", 2]], colocated=True)
+    try:
+        batch = _batch(alone.model_config.vocab_size, seed=300)
+        outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
+        for rid, prompt in batch.items():
+            cluster.submit(rid, prompt, GREEDY)
+        cluster.pump()
+        for rid, out in zip(batch, outs, strict=True):
+            assert cluster.tokens(rid) == {0: out.new_token_ids}
+        assert set(cluster.used_blocks().values()) == {0}
+    finally:
+        cluster.close()
