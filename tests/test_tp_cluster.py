@@ -119,3 +119,32 @@ def test_a_colocated_group_prefills_and_decodes_itself(alone, engines) -> None:
         assert set(cluster.used_blocks().values()) == {0}
     finally:
         cluster.close()
+
+
+def test_kv_streamed_in_parts_from_a_group(alone, engines) -> None:
+    """``--kv-stream-chunks`` from a TP-2 prefill group: each chunk's finished blocks are
+    gathered on rank 0 and offered while the prompt still computes (NIXL reads them)."""
+    cluster = Cluster([engines["p", 2]], [engines["d", 2]], "nixl", stream_chunks=True)
+    sender, lasts = cluster.workers["p0"].sender, []
+    send_part = sender.send_part
+
+    def spy(spec, kv_layers, last):  # every part offered: whether it was a transfer's last
+        lasts.append(last)
+        send_part(spec, kv_layers, last)
+
+    sender.send_part = spy
+    try:
+        batch = _batch(alone.model_config.vocab_size, seed=400)
+        outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
+        for rid, prompt in batch.items():
+            cluster.submit(rid, prompt, GREEDY)
+        cluster.pump()
+        for rid, out in zip(batch, outs, strict=True):
+            assert cluster.tokens(rid) == {0: out.new_token_ids}
+        assert set(cluster.used_blocks().values()) == {0}
+        assert lasts.count(False) >= 2  # parts went before their prompts were done
+        for engine in (engines["p", 2], engines["d", 2]):
+            staging = engine.runner.staging
+            assert staging is not None and staging.num_free == staging.num_blocks
+    finally:
+        cluster.close()
