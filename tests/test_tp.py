@@ -105,12 +105,33 @@ def test_group_tokens_equal_one_process(small_dir: Path) -> None:
 
 
 def test_replicated_kv_heads_and_a_tied_head(tiny_dir: Path) -> None:
-    """tiny: 4 query / 2 KV heads at TP 4 (each KV head on two ranks), a tied output head."""
-    lengths = [3, 9, 30]
-    ref_tokens, ref_lps = _run(tiny_dir, 1, lengths)
-    tokens, lps = _run(tiny_dir, 4, lengths)
+    """tiny: 4 query / 2 KV heads at TP 4 (each KV head on two ranks), a tied output head.
+    A held prompt's KV gathered on rank 0's staging blocks is then the whole-head KV one
+    process computes, each replicated head taken once."""
+    import torch
+
+    lengths, held = [3, 9, 30], prompts(512, [30], seed=9)[0]  # 8 blocks of 4
+    runs = []
+    for tp in (1, 4):
+        eng = make_engine(tiny_dir, tensor_parallel_size=tp, threads=1)
+        cfg = eng.model_config
+        outs = eng.generate(prompts(cfg.vocab_size, lengths, seed=3), greedy(12, logprobs=0))
+        eng.add_request("held", held, greedy(1), hold_kv=True)
+        while eng.has_unfinished():
+            eng.step()
+        ids = eng.handoff.outgoing("held", eng.handoff.held_block_ids("held"))
+        kv = torch.stack([layer[ids] for layer in eng.status.kv_layers]).clone()
+        eng.handoff.release("held")
+        staging = eng.runner.staging
+        assert staging is None or staging.num_free == staging.num_blocks  # given back
+        eng.close()
+        tokens = [o.new_token_ids for o in outs]
+        runs.append((tokens, [[lp.logprob for lp in o.new_logprobs] for o in outs], kv))
+    (ref_tokens, ref_lps, ref_kv), (tokens, lps, kv) = runs
     assert tokens == ref_tokens
     assert _close(lps, ref_lps) < LOGPROB_BOUND
+    assert kv.shape == ref_kv.shape  # [layers, 8 blocks, 2, 4, 2 KV heads, 16]
+    assert torch.allclose(kv, ref_kv, atol=1e-5)
 
 
 def test_request_features_in_a_group_equal_one_process(tiny_dir: Path) -> None:

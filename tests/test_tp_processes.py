@@ -87,17 +87,19 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return [(int(r[0]), r[2]) for r in rows if len(r) == 3 and int(r[1]) == pid]
 
 
-def test_a_rank_killed_mid_stream_ends_its_group_and_the_stream_moves(small_dir: Path) -> None:
-    """Two TP-2 decode workers: SIGKILL rank 1 of the one streaming. Its rank 0 leaves at its
-    next collective, the coordinator sees the worker gone, the stream moves to the other group
-    and runs to its end; serve restarts the whole group; no block stays taken."""
+def test_a_rank_killed_mid_stream_ends_its_group_with_the_reason(small_dir: Path) -> None:
+    """A TP-2 decode worker: SIGKILL its rank 1 under a live stream. Rank 0 leaves at its
+    next collective, within the coordinator's heartbeat timeout; the coordinator sees the
+    worker gone and ends the stream with the reason (with another decode worker it would
+    move: the same path as one process's death, tests/test_e2e_resilience.py); serve restarts
+    the whole group, which serves again; no block stays taken."""
     c = ServedCluster(
         small_dir,
         "--prefill=1",
-        "--decode=2",
+        "--decode=1",
         "--decode-tp=2",
         "--kv-cache-memory=256M",
-        "--max-migrations=3",
+        "--max-migrations=0",
     )
     try:
         body = {
@@ -125,24 +127,23 @@ def test_a_rank_killed_mid_stream_ends_its_group_and_the_stream_moves(small_dir:
         left_after = time.monotonic() - killed
         print(f"rank 0 left {left_after:.2f} s after its rank 1 was killed")
         assert left_after < 5, f"rank 0 outlived its rank 1 by {left_after:.1f} s"
-        t.join(180)
+        t.join(120)
         assert not t.is_alive(), "the stream hung"
         assert events[-1] == "[DONE]"
-        last = json.loads(events[-2])
-        assert last["choices"][0]["finish_reason"] == "length", last
-        assert not any("error" in json.loads(e) for e in events[:-1])
+        error = json.loads(events[-2])["error"]
+        assert f"worker {busy[0]} stopped responding" in error["message"], error
         assert "a collective failed" in c.output() or "is gone" in c.output()
-        r = httpx.post(
-            f"{c.url}/v1/completions",
-            timeout=60,
-            json={"model": c.model_name, "prompt": "still?", "max_tokens": 4, "ignore_eos": True},
-        )
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        # serve restarts the group (rank 0 starts its rank 1 again) and it reports in
+        # serve restarts the group (rank 0 starts its rank 1 again): it registers and serves
         deadline = time.monotonic() + 90
         while c.kv_blocks_used().get(busy[0]) != 0.0 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert c.kv_blocks_used().get(busy[0]) == 0.0, "the restarted group never reported"
+        r = httpx.post(
+            f"{c.url}/v1/completions",
+            timeout=90,
+            json={"model": c.model_name, "prompt": "still?", "max_tokens": 4, "ignore_eos": True},
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert set(c.wait_blocks_free().values()) == {0.0}
     finally:
         c.stop()

@@ -68,7 +68,7 @@ def decode_step(payload: torch.Tensor, runner: ModelRunner) -> StepInputs:
 
 def follow(runner: ModelRunner, group: TPGroup) -> None:
     """A rank past 0: run rank 0's commands until STOP (or the group fails)."""
-    from pdserve.engine.tp.staging import gather_heads, scatter_heads
+    from pdserve.engine.tp.staging import gather_heads, gather_heads_shm, scatter_heads
 
     while True:
         cmd, payload, _ = group.next_command()
@@ -77,8 +77,9 @@ def follow(runner: ModelRunner, group: TPGroup) -> None:
         elif cmd is Command.COPY_BLOCKS:
             half = payload.numel() // 2
             runner.kv_cache.copy_local(payload[:half].tolist(), payload[half:].tolist())
-        elif cmd is Command.GATHER_KV:
-            gather_heads(group, runner.kv_cache.layers, payload)
+        elif cmd is Command.GATHER_KV:  # rank 0 chose the same way: shared memory, else this
+            if not gather_heads_shm(group, runner.kv_cache.layers, payload):
+                gather_heads(group, runner.kv_cache.layers, payload)
         elif cmd is Command.SCATTER_KV:
             scatter_heads(group, runner.kv_cache.layers, payload)
         elif cmd is Command.STOP:

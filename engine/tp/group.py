@@ -169,6 +169,11 @@ class TPGroup:
         self._wait(self._pg.gather(outs, [_wire(t)], opts))
         return parts
 
+    @property
+    def shm(self) -> shm.ShmCollectives | None:
+        """The ranks' shared memory, on a CPU group on one host (else None)."""
+        return self._shm
+
     def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
         """Rank 0's ``parts[r]`` into rank r's ``out`` (``parts`` None past rank 0)."""
         opts = _c10d.ScatterOptions()

@@ -124,6 +124,29 @@ class ShmCollectives:
             at += part.numel()
         return None if outs is None else [o.view(t.shape) for o in outs]
 
+    def gather_into(
+        self,
+        nbytes: int,
+        write: Callable[[torch.Tensor], None],
+        read: Callable[[list[torch.Tensor]], None] | None,
+    ) -> None:
+        """A gather whose payload each rank writes into its slot itself (``write(slot)``, a
+        uint8 view of ``nbytes``) and rank 0 reads where it lies (``read(slots)``, rank
+        order): no copy in or out of a staging tensor. ``nbytes`` fits one slot."""
+        if nbytes > SLOT_BYTES:
+            raise ValueError(f"{nbytes} bytes do not fit a {SLOT_BYTES}-byte slot")
+        self._seq += 1
+        self._wait_all(self._seq - 1)
+        write(self._raw(self.rank, nbytes))
+        self._publish()
+        if self.rank == 0 and read is not None:
+            self._wait_all(self._seq)
+            read([self._raw(r, nbytes) for r in range(self.size)])
+
+    def _raw(self, rank: int, nbytes: int) -> torch.Tensor:
+        start = ((self._seq & 1) * self.size + rank) * SLOT_BYTES
+        return self._bytes[start : start + nbytes]
+
     def broadcast(self, t: torch.Tensor, idle: bool = False) -> None:
         """Rank 0's ``t`` into every rank's ``t``. ``idle``: the wait may be long (a rank
         awaiting its next command), so it spins less before yielding the core."""

@@ -19,10 +19,12 @@ collectives), not rank to rank across the wire: each wire transfer is one, as at
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 from pdserve.engine.block_manager import NoFreeBlocks
+from pdserve.engine.tp import shm
 from pdserve.engine.tp.group import Command, TPGroup
 from pdserve.engine.tp.layout import TPLayout
 
@@ -38,6 +40,41 @@ def gather_heads(
     index = block_ids.to(layers[0].device)
     local = torch.stack([layer.index_select(0, index) for layer in layers])
     return group.gather(local)
+
+
+Place = Callable[[list[torch.Tensor], torch.Tensor, int], None]
+
+
+def gather_heads_shm(
+    group: TPGroup,
+    layers: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    place: Place | None = None,
+) -> bool:
+    """``gather_heads`` through shared memory, each rank's blocks written straight into its
+    slot and ``place(slots, ids, start)`` (rank 0) taking them from there, a slot's worth of
+    blocks at a time; False (nothing done) where the group has no shared memory or one block
+    of every layer overflows a slot. Every rank reaches the same answer."""
+    channel, first = group.shm, layers[0]
+    per_block = len(layers) * first[0].numel() * first.element_size()
+    if channel is None or per_block > shm.SLOT_BYTES:
+        return False
+    step = shm.SLOT_BYTES // per_block
+    for start in range(0, block_ids.numel(), step):
+        ids = block_ids[start : start + step]
+        n = ids.numel()
+
+        def write(slot: torch.Tensor, ids: torch.Tensor = ids, n: int = n) -> None:
+            views = slot.view(first.dtype).view(len(layers), n, *first.shape[1:])
+            for view, layer in zip(views, layers, strict=True):
+                torch.index_select(layer, 0, ids, out=view)
+
+        def read(slots: list[torch.Tensor], ids: torch.Tensor = ids, at: int = start) -> None:
+            if place is not None:
+                place(slots, ids, at)
+
+        channel.gather_into(n * per_block, write, read if place is not None else None)
+    return True
 
 
 def scatter_heads(
@@ -102,16 +139,33 @@ class KVStaging:
         """Staging blocks now holding the whole KV of cache blocks ``block_ids`` (to send)."""
         staged = self.take(len(block_ids))
         ids = _ids(block_ids)
+        dst = _ids(staged).to(self.layers[0].device)
         with self.group.lock:
             self.group.command(Command.GATHER_KV, ids)
+            if gather_heads_shm(self.group, self.cache_layers, ids, self._place(dst)):
+                return staged
             parts = gather_heads(self.group, self.cache_layers, ids)
         if parts is None:
             raise RuntimeError("staging blocks are rank 0's: another rank exported KV")
-        dst = _ids(staged).to(self.layers[0].device)
         for layer_index, layer in enumerate(self.layers):
             whole = torch.cat([parts[r][layer_index] for r in self._owners], dim=3)
             layer.index_copy_(0, dst, whole)
         return staged
+
+    def _place(self, dst: torch.Tensor) -> Place:
+        """Where rank 0 puts a slot's worth of gathered blocks: each owner's heads of them
+        into staging blocks ``dst[at:]``, straight from the ranks' slots."""
+        first = self.cache_layers[0]
+
+        def place(slots: list[torch.Tensor], ids: torch.Tensor, at: int) -> None:
+            n, targets = ids.numel(), dst[at : at + ids.numel()]
+            for r in self._owners:
+                heads = self.layout.kv_heads_of(r)
+                part = slots[r].view(first.dtype).view(len(self.layers), n, *first.shape[1:])
+                for layer, blocks in zip(self.layers, part, strict=True):
+                    layer[:, :, :, heads.start : heads.stop].index_copy_(0, targets, blocks)
+
+        return place
 
     def import_(self, staged: list[int], block_ids: list[int]) -> None:
         """Each rank's heads of staging blocks ``staged`` into its cache blocks ``block_ids``."""
