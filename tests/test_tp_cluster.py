@@ -104,18 +104,23 @@ def test_n_choices_fork_in_a_decode_group(alone, engines) -> None:
         cluster.close()
 
 
+def _served_as_alone(cluster: Cluster, alone: LLMEngine, seed: int) -> None:
+    """A batch of prompts through ``cluster`` gives one process's greedy tokens."""
+    batch = _batch(alone.model_config.vocab_size, seed=seed)
+    outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
+    for rid, prompt in batch.items():
+        cluster.submit(rid, prompt, GREEDY)
+    cluster.pump()
+    for rid, out in zip(batch, outs, strict=True):
+        assert cluster.tokens(rid) == {0: out.new_token_ids}
+
+
 def test_a_colocated_group_prefills_and_decodes_itself(alone, engines) -> None:
     """A TP-2 worker that runs both phases (colocated, the local-prefill path): its prompts
     never leave it, the tokens equal one process's."""
     cluster = Cluster([], [engines["d", 2]], colocated=True)
     try:
-        batch = _batch(alone.model_config.vocab_size, seed=300)
-        outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
-        for rid, prompt in batch.items():
-            cluster.submit(rid, prompt, GREEDY)
-        cluster.pump()
-        for rid, out in zip(batch, outs, strict=True):
-            assert cluster.tokens(rid) == {0: out.new_token_ids}
+        _served_as_alone(cluster, alone, seed=300)
         assert set(cluster.used_blocks().values()) == {0}
     finally:
         cluster.close()
@@ -134,13 +139,7 @@ def test_kv_streamed_in_parts_from_a_group(alone, engines) -> None:
 
     sender.send_part = spy
     try:
-        batch = _batch(alone.model_config.vocab_size, seed=400)
-        outs = alone.generate(list(batch.values()), SamplingParams(**vars(GREEDY)))
-        for rid, prompt in batch.items():
-            cluster.submit(rid, prompt, GREEDY)
-        cluster.pump()
-        for rid, out in zip(batch, outs, strict=True):
-            assert cluster.tokens(rid) == {0: out.new_token_ids}
+        _served_as_alone(cluster, alone, seed=400)
         assert set(cluster.used_blocks().values()) == {0}
         assert lasts.count(False) >= 2  # parts went before their prompts were done
         for engine in (engines["p", 2], engines["d", 2]):

@@ -102,9 +102,11 @@ def _random_model(
     max_positions: int | None = None,
     quantization: str = "auto",
     group_size: int = 32,
+    layout: object = None,
 ) -> CausalLM:
     """Stands in for engine.loader.load_model (its signature): same shapes, random bf16 weights,
-    on the GPU; ``dtype`` and the quantization are not used."""
+    on the GPU; ``dtype``, the quantization and a tensor-parallel ``layout`` (one process
+    here) are not used."""
     cfg = ModelConfig.from_dir(path)
     max_positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):

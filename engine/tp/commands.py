@@ -71,7 +71,7 @@ def follow(runner: ModelRunner, group: TPGroup) -> None:
     from pdserve.engine.tp.staging import gather_heads, gather_heads_shm, scatter_heads
 
     while True:
-        cmd, payload, _ = group.next_command()
+        cmd, payload = group.next_command()
         if cmd is Command.STEP:
             runner.execute(decode_step(payload, runner))
         elif cmd is Command.COPY_BLOCKS:

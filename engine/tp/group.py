@@ -44,7 +44,7 @@ _c10d: Any = dist
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-_HEADER = 4  # int64s: command, payload length, two arguments
+_HEADER = 2  # int64s: command, payload length
 
 
 class Command(enum.IntEnum):
@@ -126,24 +126,21 @@ class TPGroup:
         return self.rank == 0
 
     # ---- commands (rank 0 sends, the others receive) ---------------------------------------
-    def command(self, cmd: Command, payload: torch.Tensor | None = None, *args: int) -> None:
+    def command(self, cmd: Command, payload: torch.Tensor | None = None) -> None:
         """Rank 0: tell every rank to run ``cmd`` (the caller then runs its own part)."""
-        header = torch.zeros(_HEADER, dtype=torch.long)
-        header[0], header[1] = int(cmd), 0 if payload is None else payload.numel()
-        for i, a in enumerate(args[:2]):
-            header[2 + i] = a
-        self._broadcast(header)
+        length = 0 if payload is None else payload.numel()
+        self._broadcast(torch.tensor([int(cmd), length], dtype=torch.long))
         if payload is not None:
             self._broadcast(payload.to(torch.long).contiguous())
 
-    def next_command(self) -> tuple[Command, torch.Tensor, tuple[int, int]]:
-        """Ranks past 0: the next command, its payload (int64) and its two arguments."""
+    def next_command(self) -> tuple[Command, torch.Tensor]:
+        """Ranks past 0: the next command and its payload (int64)."""
         header = torch.zeros(_HEADER, dtype=torch.long)
         self._broadcast(header, idle=True)
         payload = torch.zeros(int(header[1]), dtype=torch.long)
         if payload.numel():
             self._broadcast(payload)
-        return Command(int(header[0])), payload, (int(header[2]), int(header[3]))
+        return Command(int(header[0])), payload
 
     @property
     def lock(self) -> threading.Lock:
@@ -199,12 +196,6 @@ class TPGroup:
         opts = _c10d.AllreduceOptions()
         opts.reduceOp = _c10d.ReduceOp.MIN
         self._wait(self._host.allreduce([t], opts))
-        return int(t)
-
-    def broadcast_int(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank."""
-        t = torch.tensor([value], dtype=torch.long)
-        self._broadcast(t)
         return int(t)
 
     def _broadcast(self, t: torch.Tensor, idle: bool = False) -> None:

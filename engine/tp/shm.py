@@ -227,7 +227,3 @@ class ShmCollectives:
         from pdserve.engine.tp.group import GroupFailed
 
         raise GroupFailed(f"tensor-parallel rank {self.rank}/{self.size}: {why}")
-
-    def close(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8)
-        self._counters = np.zeros(0, np.int64)
