@@ -10,13 +10,17 @@ from __future__ import annotations
 import math
 
 from pdserve.protocol.control import (
+    MAX_SPEC_POSITIONS,
     OVER_TARGET_REASONS,
+    SPEC_MODES,
+    SPEC_STEP_REASONS,
     STEP_DECODE_SEQS_BUCKETS,
     STEP_KINDS,
     STEP_MODEL_TERMS,
     STEP_PREFILL_TOKENS_BUCKETS,
     STEP_SECONDS_BUCKETS,
     TRANSFER_SECONDS_BUCKETS,
+    SpecCounters,
     StepCounters,
     StepHistogram,
     WorkerCounters,
@@ -42,7 +46,7 @@ def counters_problem(c: WorkerCounters) -> str | None:
         return f"transfer_seconds_sum={c.transfer_seconds_sum}"
     if len(c.transfer_seconds_counts) not in (0, len(TRANSFER_SECONDS_BUCKETS) + 1):
         return f"{len(c.transfer_seconds_counts)} transfer-time buckets"
-    return steps_problem(c.steps)
+    return steps_problem(c.steps) or spec_problem(c.spec)
 
 
 def steps_problem(s: StepCounters) -> str | None:
@@ -65,6 +69,39 @@ def steps_problem(s: StepCounters) -> str | None:
         problem = _histogram_problem(histogram)
         if problem is not None:
             return f"{kind} steps: {problem}"
+    return None
+
+
+def spec_problem(s: SpecCounters) -> str | None:
+    """Why a worker's speculative decoding (``SpecCounters``) cannot be true, or None. Each
+    draft position's accepted is at most its drafted; drafted need not fall from one position
+    to the next (not checked)."""
+    if s.mode not in SPEC_MODES:
+        return f"speculative mode={s.mode[:40]!r} is not one of {', '.join(SPEC_MODES)}"
+    if len(s.drafted) != len(s.accepted):
+        return f"{len(s.drafted)} drafted positions but {len(s.accepted)} accepted"
+    if len(s.drafted) > MAX_SPEC_POSITIONS:
+        return f"{len(s.drafted)} draft positions, more than {MAX_SPEC_POSITIONS}"
+    positions = zip(s.drafted, s.accepted, strict=True)
+    for position, (drafted, accepted) in enumerate(positions, start=1):
+        if not (0 <= drafted < MAX_COUNT and 0 <= accepted < MAX_COUNT):
+            return f"draft position {position}: a count outside [0, 2**63)"
+        if accepted > drafted:
+            return f"draft position {position}: {accepted} accepted of {drafted} drafted"
+    for reason, count in s.steps.items():
+        if reason not in SPEC_STEP_REASONS:
+            reasons = ", ".join(SPEC_STEP_REASONS)
+            return f"speculative step reason={reason[:40]!r} is not one of {reasons}"
+        if not 0 <= count < MAX_COUNT:
+            return f"speculative steps {reason}={count} is outside [0, 2**63)"
+    for name, total in (
+        ("draft_tokens", s.draft_tokens),
+        ("draft_prompt_tokens", s.draft_prompt_tokens),
+    ):
+        if not 0 <= total < MAX_COUNT:
+            return f"{name}={total} is outside [0, 2**63)"
+    if s.draft_prompt_tokens > s.draft_tokens:
+        return f"draft_prompt_tokens={s.draft_prompt_tokens} > draft_tokens={s.draft_tokens}"
     return None
 
 

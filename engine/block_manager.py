@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -125,11 +125,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, seq: BlockOwner) -> None:
-        """Register the hashes of blocks whose every token now has its KV computed."""
+    def cache_full_blocks(self, seq: BlockOwner, lag: int = 0) -> None:
+        """Register the hashes of blocks whose every token now has its KV computed (``lag``:
+        of the last computed tokens, how many a draft model has not: engine/spec/draft.py;
+        a block is cached once both models' KV is in it)."""
         if not self.enable_prefix_caching:
             return
-        num_full = full_blocks(seq.num_computed_tokens, self.block_size)
+        num_full = full_blocks(seq.num_computed_tokens - lag, self.block_size)
         if num_full <= seq.num_committed_blocks:
             return
         hashes = block_hashes(seq.all_token_ids, self.block_size, seq.block_hashes)
@@ -169,6 +171,14 @@ class BlockManager:
             self._unref(block_id)
         seq.block_table.clear()
         seq.num_committed_blocks = 0
+
+    def trim(self, seq: BlockOwner, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past those ``num_tokens`` tokens need (drafts rejected
+        by a verification: engine/spec/)."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._unref(block_id)
+        del seq.block_table[keep:]
 
     def allocate_blocks(self, n: int, hits: Sequence[int] = ()) -> list[int]:
         """``hits`` (cached blocks, from ``find_cached_blocks``) shared, then ``n`` fresh blocks,
@@ -234,6 +244,14 @@ class KVCache:
     block_size: int
     # rank 0 of a tensor-parallel group: copies are made on every rank (engine/tp/)
     group: TPGroup | None = None
+    # a draft model's KV (speculative decoding: engine/spec/draft.py), the same block ids: its
+    # layers follow the target's wherever blocks are copied or moved (``all_layers``)
+    draft_layers: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def all_layers(self) -> list[torch.Tensor]:
+        """Every layer a block spans: the target's, then a draft model's."""
+        return [*self.layers, *self.draft_layers]
 
     @property
     def num_blocks(self) -> int:
@@ -258,12 +276,12 @@ class KVCache:
         device = self.layers[0].device
         src_t = torch.tensor(src, dtype=torch.long, device=device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-        for layer in self.layers:  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        for layer in self.all_layers:  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
             layer[dst_t] = layer[src_t]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        return sum(t.numel() * t.element_size() for t in self.all_layers)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -272,14 +290,22 @@ class KVCache:
 
     @classmethod
     def num_blocks_for(
-        cls, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+        cls,
+        cfg: ModelConfig,
+        cache: CacheConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        draft: ModelConfig | None = None,
     ) -> int:
         """``num_blocks`` if set; else the ``kv_cache_memory`` budget; else, on CUDA, the
         share of free memory left under ``gpu_memory_utilization``; else, on CPU, the
-        ``cpu_memory_share`` of the machine's memory (engine/kv_memory.py)."""
+        ``cpu_memory_share`` of the machine's memory (engine/kv_memory.py). A ``draft``
+        model's KV shares the budget: a block holds both."""
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = cls.bytes_per_block(cfg, cache.block_size, dtype)
+        if draft is not None:
+            per_block += cls.bytes_per_block(draft, cache.block_size, dtype)
         budget = cls.budget(cache, device)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -319,9 +345,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_blocks: int | None = None,
+        draft: ModelConfig | None = None,
     ) -> KVCache:
-        """``cfg``'s cache of ``num_blocks`` blocks (default: as ``num_blocks_for`` sizes it)."""
-        n = num_blocks or cls.num_blocks_for(cfg, cache, dtype, device)
+        """``cfg``'s cache of ``num_blocks`` blocks (default: as ``num_blocks_for`` sizes it,
+        leaving a ``draft`` model's KV its share)."""
+        n = num_blocks or cls.num_blocks_for(cfg, cache, dtype, device, draft)
         shape = (n, 2, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         if device.type == "cpu":  # zero pages, taken as blocks are first written
             layers = [lazily_zeroed(shape, dtype) for _ in range(cfg.num_layers)]

@@ -225,6 +225,56 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_MODES = ("off", "ngram", "draft")
+SPEC_SWITCHES = ("auto", "on", "off")
+MAX_SPEC_TOKENS = 16  # drafts a step may verify per sequence (``protocol.control`` bounds)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/): ``mode`` off, ngram (prompt lookup over the
+    prompt and the output so far) or draft (``draft_model``, a smaller model sharing the
+    tokenizer, its KV paged beside the target's); ``num_tokens`` drafts a step verifies per
+    sequence; ``switch``: auto (each step speculates only where the step-time model says it
+    pays), on (whenever there are drafts), off (never: a draft model's KV is still kept, so a
+    worker pairs with the same others)."""
+
+    mode: str = "off"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None
+    draft_quantization: str = "auto"
+    switch: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPECULATIVE_MODES:
+            modes = ", ".join(SPECULATIVE_MODES)
+            raise ConfigError(f"speculative must be {modes}, got {self.mode!r}")
+        if self.switch not in SPEC_SWITCHES:
+            switches = ", ".join(SPEC_SWITCHES)
+            raise ConfigError(f"spec switch must be {switches}, got {self.switch!r}")
+        if not 1 <= self.num_tokens <= MAX_SPEC_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, {MAX_SPEC_TOKENS}], got {self.num_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ConfigError(
+                f"need 1 <= ngram_min <= ngram_max <= 64, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.mode == "draft" and not self.draft_model:
+            raise ConfigError("--speculative draft needs --draft-model")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"draft quantization must be {', '.join(QUANTIZATIONS)}, "
+                f"got {self.draft_quantization!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -250,6 +300,7 @@ class EngineConfig:
     tp_timeout_s: float = 30.0
     tp_staging_blocks: int = 0
     tp_join_timeout_s: float = 300.0  # how long ranks wait for each other at the rendezvous
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -272,6 +323,8 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.compile:
             raise ConfigError("--compile does not run in a tensor-parallel group yet")
+        if self.speculative.mode == "draft" and self.tensor_parallel_size > 1:
+            raise ConfigError("--speculative draft does not run in a tensor-parallel group yet")
         if not self.tp_timeout_s > 0:
             raise ConfigError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.compile and not self.device.startswith("cpu"):

@@ -34,15 +34,17 @@ from pdserve.engine.config import EngineConfig, ModelConfig, served_model_len
 from pdserve.engine.fork import Forks
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.kv_handoff import KVHandoff
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, StepInputs
 from pdserve.engine.output_lengths import OutputLengths
 from pdserve.engine.requests import RequestTable
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import RequestId, Scheduler, Sequence
+from pdserve.engine.spec.speculator import Speculator
+from pdserve.engine.spec.verify import verify
 from pdserve.engine.step_budget import calibrate_step_budget
 from pdserve.engine.step_target import StepTarget
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.protocol.control import StepCounters
+from pdserve.protocol.control import SpecCounters, StepCounters
 from pdserve.protocol.messages import FinishReason, TokenLogprob
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.tenancy import DEFAULT, Share
@@ -126,10 +128,26 @@ class LLMEngine:
         self.status = EngineStatus(
             self.block_manager, kv_cache, self.scheduler, self.requests.output_lengths, staging
         )
+        self.spec = self._speculator(config) if config.speculative.enabled else None
         self._arrivals = itertools.count()
         # tokens computed in prompt chunks (recomputation included), since start (metrics)
         self.prefill_tokens_computed = 0
         self.recomputed_tokens = 0  # of those, tokens computed again after a preemption
+
+    def _speculator(self, config: EngineConfig) -> Speculator:
+        """The speculation part (engine/spec/), with its draft model in draft mode."""
+        from pdserve.engine.spec.draft import DraftModel
+
+        draft = None
+        if config.speculative.mode == "draft":
+            draft = DraftModel(config, self.runner, self.model_config)
+        return Speculator(
+            config.speculative,
+            self.block_manager,
+            self.requests.max_seq_tokens,
+            self.steps.model,
+            draft,
+        )
 
     def close(self) -> None:
         """Stop a tensor-parallel group's other ranks (also done at exit); nothing alone."""
@@ -188,25 +206,47 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.requests.take_due()]
         start = time.perf_counter()
+        spec = self.spec
+        if spec is not None:
+            spec.plan(self.scheduler)
         batch = self.scheduler.schedule()
         if not batch:
+            if spec is not None:
+                spec.end_step(None, [])
             return outputs
+        decoding = [seq.is_decoding for seq in batch.seqs]
+        if spec is not None:
+            spec.fill(batch)
         inputs = self.runner.prepare(batch.seqs, batch.num_new_tokens)
         logits = self.runner.execute(inputs)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if not (n == 1 and seq.is_decoding):
+        if spec is not None and spec.draft is not None:  # its KV of the prompt chunks
+            each = zip(batch.seqs, batch.num_new_tokens, decoding, strict=True)
+            chunks = [(s, n) for s, n, d in each if not d]
+            spec.draft.follow([s for s, _ in chunks], [n for _, n in chunks])
+        for seq, n, was_decode in zip(batch.seqs, batch.num_new_tokens, decoding, strict=True):
+            if seq.spec_tokens:
+                continue  # a verification: what it computed is what it keeps (spec.settle)
+            if not (n == 1 and was_decode):
                 self.prefill_tokens_computed += n  # anything but one token's decode step
             done = seq.num_computed_tokens
             self.recomputed_tokens += max(0, min(done + n, seq.recompute_until) - done)
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.cache_full_blocks(seq, seq.draft_lag)
         if inputs.sample_seqs:
-            seqs, logits = self.forks.rows(inputs.sample_seqs, logits)
-            sampled = self.sampler(logits, seqs)
-            for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-                self._append_token(seq, token, lp)
-                outputs.append(self._output(seq))
-            self.forks.settle(inputs.sample_seqs)
+            plain, plain_logits, checks = split_rows(inputs, logits)
+            if plain:
+                seqs, rows = self.forks.rows(plain, plain_logits)
+                sampled = self.sampler(rows, seqs)
+                for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+                    self._append_token(seq, token, lp)
+                    outputs.append(self._output(seq))
+                self.forks.settle(plain)
+            if checks and spec is not None:
+                verdicts = verify(checks, self.sampler, self._append_token)
+                spec.settle(verdicts)
+                outputs.extend(self._output(v.seq) for v in verdicts)
+        if spec is not None:
+            spec.end_step(batch, decoding)
         self.steps.observe(batch, time.perf_counter() - start)
         return outputs
 
@@ -241,6 +281,10 @@ class LLMEngine:
     def step_counters(self) -> StepCounters:
         """The steps so far, with the TPOT target and step-time model sizing them (metrics)."""
         return self.steps.counters()
+
+    def spec_counters(self) -> SpecCounters:
+        """Speculative decoding so far (metrics); mode "off" without it."""
+        return self.spec.counters() if self.spec is not None else SpecCounters()
 
     # ---- convenience ------------------------------------------------------------------------
     def generate(
@@ -308,7 +352,7 @@ class EngineStatus:
         """The KV cache, one tensor a layer: what a KV sender reads and a receiver writes
         (a tensor-parallel group's rank 0: its staging blocks, every head whole)."""
         staging = self._staging()
-        return self._kv_cache.layers if staging is None else staging.layers
+        return self._kv_cache.all_layers if staging is None else staging.layers
 
     def kv_event_publisher(self, worker_id: str) -> KVEventPublisher:
         """The ``KVEvents`` of this engine's prefix cache (one publisher an engine: it hooks
@@ -354,6 +398,28 @@ class EngineStatus:
     def preemptions(self) -> int:
         """Sequences whose blocks were taken back to be recomputed, since start."""
         return self._scheduler.preemptions
+
+
+def split_rows(
+    inputs: StepInputs, logits: torch.Tensor
+) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, torch.Tensor]]]:
+    """A step's logits split into the sequences sampling one row (and their rows) and the
+    verifications (each sequence with its ``1 + drafts`` rows: engine/spec/verify.py)."""
+    counts = inputs.rows_per_seq
+    if counts is None:
+        return inputs.sample_seqs, logits, []
+    plain: list[Sequence] = []
+    plain_rows: list[int] = []
+    checks: list[tuple[Sequence, torch.Tensor]] = []
+    row = 0
+    for seq, n in zip(inputs.sample_seqs, counts, strict=True):
+        if n == 1:
+            plain.append(seq)
+            plain_rows.append(row)
+        else:
+            checks.append((seq, logits[row : row + n]))
+        row += n
+    return plain, logits[plain_rows], checks
 
 
 def _eos_ids(model_dir: str, cfg: ModelConfig) -> list[int]:

@@ -40,6 +40,9 @@ class StepInputs:
     logits_rows: list[int]  # index into the token batch of each row to sample
     sample_seqs: list[Sequence]
     logits_index: torch.Tensor  # [len(logits_rows)]: logits_rows on the device
+    # rows of logits each of sample_seqs has, in order: 1, or 1 + its drafts (a verification
+    # reads every position: engine/spec/verify.py); empty: one each
+    rows_per_seq: list[int] | None = None
 
 
 class StepBuffers:
@@ -152,7 +155,10 @@ class ModelRunner:
             wire_model(self.model, group, layout)
             self.kv_cache = group_cache(group, layout, config.cache, self.dtype, self.device)
         else:
-            self.kv_cache = KVCache.create(model_config, config.cache, self.dtype, self.device)
+            draft = _draft_config(config)
+            self.kv_cache = KVCache.create(
+                model_config, config.cache, self.dtype, self.device, draft=draft
+            )
         self._staging: KVStaging | None = None
         self.backend = make_backend(config.attention_backend, self.device)
         self.buffers = StepBuffers(self.device)
@@ -253,20 +259,25 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        rows_per_seq: list[int] = []
         num_tokens = 0
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + n
             num_tokens += n
-            input_ids.extend(seq.token_ids[start:end])
+            drafts = seq.spec_tokens if end > seq.num_tokens else []
+            input_ids.extend(seq.token_ids[start:end] if not drafts else [seq.last_token_id])
+            input_ids.extend(drafts)  # [last token, d1 .. dk]: every position is verified
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             tables.append(table)
-            if end == seq.num_tokens:  # all tokens computed: the last one's logits are needed
-                logits_rows.append(num_tokens - 1)
+            if end == seq.num_tokens + len(drafts):  # all computed: the last logits are needed
+                wanted = 1 + len(drafts)
+                logits_rows.extend(range(num_tokens - wanted, num_tokens))
                 sample_seqs.append(seq)
+                rows_per_seq.append(wanted)
         ids, pos, slot_mapping, rows = self.buffers.load(input_ids, positions, slots, logits_rows)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -275,7 +286,10 @@ class ModelRunner:
             block_tables_cpu=tables,
             block_size=bs,
         )
-        return StepInputs(ids, pos, metadata, logits_rows, sample_seqs, rows)
+        spec = len(logits_rows) > len(sample_seqs)
+        return StepInputs(
+            ids, pos, metadata, logits_rows, sample_seqs, rows, rows_per_seq if spec else None
+        )
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
@@ -305,3 +319,11 @@ class ModelRunner:
             )
             hidden = eager
         return self.model.compute_logits(hidden[inputs.logits_index])
+
+
+def _draft_config(config: EngineConfig) -> ModelConfig | None:
+    """The draft model's config, when one speculates for this model (its KV shares blocks)."""
+    spec = config.speculative
+    if spec.mode != "draft" or spec.draft_model is None:
+        return None
+    return ModelConfig.from_dir(spec.draft_model)

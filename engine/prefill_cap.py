@@ -52,8 +52,12 @@ class PrefillRoom:
         return min(n, allowed)
 
     def used(self, seq: Sequence, n: int, decoding: bool) -> None:
+        """``seq`` computes ``n`` tokens this step; a decode's drafts beyond its one token
+        (speculation: engine/spec/) take from the prompt room first."""
         if decoding:
             self._decodes_left -= 1
+            if self.left is not None:
+                self.left = max(0, self.left - (n - 1))
             return
         seq.progress_s = self._now
         if self.left is not None:

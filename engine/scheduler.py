@@ -113,6 +113,13 @@ class Sequence:
     penalty: Any = None
     # llguidance matcher of a constrained request (engine/grammar.py), advanced per token
     matcher: llguidance.LLMatcher | None = None
+    # speculation (engine/spec/): token slots its next decode step may verify past its one
+    # token (the scheduler allocates them or drops them), the drafts that step verifies, the
+    # trailing computed tokens a draft model has not computed yet, and the proposer's state
+    lookahead: int = 0
+    spec_tokens: list[int] = field(default_factory=list)
+    draft_lag: int = 0
+    spec: Any = None
     # n choices of one prompt (engine/fork.py): on the prompt's sequence, its choices until
     # their token 0 is drawn; on each such choice, that prompt's sequence
     choices: list[Sequence] | None = field(default=None, repr=False, compare=False)
@@ -169,13 +176,14 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     decode_seqs: int = 0  # sequences in it taking one decode token
+    spec_slots: int = 0  # token slots past their one token the decodes took for drafts
     # prompt tokens overdue prompts took past the cap (``PrefillCap``): 0 when none did
     overdue_tokens: int = 0
 
     @property
     def prefill_tokens(self) -> int:
         """Tokens of prompt work (chunks, recomputation): all but the decode steps."""
-        return self.num_tokens - self.decode_seqs
+        return self.num_tokens - self.decode_seqs - self.spec_slots
 
     @property
     def num_tokens(self) -> int:
@@ -255,6 +263,14 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget - room.decodes_after(decoding), threshold)
+            if decoding and seq.lookahead:
+                after = len(self.running) - i - 1  # each may need a block of its own
+                if self._take_lookahead(seq, budget - room.decodes_after(True), after):
+                    self._add(batch, seq, 1 + seq.lookahead, True, room)
+                    batch.spec_slots += seq.lookahead
+                    budget -= 1 + seq.lookahead
+                    i += 1
+                    continue
             while not self.blocks.allocate(seq, n):
                 victim = self.running.pop()
                 room.dropped(victim)
@@ -293,6 +309,23 @@ class Scheduler:
             budget -= n
         batch.overdue_tokens = room.overdue_tokens
         return batch
+
+    def _take_lookahead(self, seq: Sequence, budget: int, keep_blocks: int) -> bool:
+        """Blocks and budget for a decode and its ``lookahead`` draft slots, when both are
+        there with ``keep_blocks`` left free for the decodes after it; else the drafts are
+        dropped (speculation never preempts anything)."""
+        blocks = self.blocks
+        total = seq.num_computed_tokens + 1 + seq.lookahead
+        fresh = blocks.blocks_needed(total) - len(seq.block_table)
+        if (
+            1 + seq.lookahead <= budget
+            and fresh + keep_blocks <= blocks.num_free_blocks
+            and blocks.allocate(seq, 1 + seq.lookahead)
+        ):
+            return True
+        seq.lookahead = 0
+        seq.spec_tokens = []
+        return False
 
     def _head(self) -> tuple[Sequence, int, list[int]] | None:
         """The next waiting sequence, its tokens left to compute and its prefix-cache hits;
@@ -345,6 +378,7 @@ class Scheduler:
         """Free ``seq``'s blocks: every token stays, its KV is computed again later (what a
         prefix cache still holds of it is found again then)."""
         self.blocks.free_seq(seq)
+        seq.lookahead, seq.spec_tokens, seq.draft_lag = 0, [], 0
         seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

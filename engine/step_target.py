@@ -98,7 +98,8 @@ class StepTarget:
         if self.model is not None:
             if decodes and seconds > self.target_s:
                 reason = self._why_over(prefill, decodes, batch.overdue_tokens)
-            self.model.observe(prefill, decodes, seconds)
+            # a verification's drafts are priced as prompt tokens (engine/spec/policy.py)
+            self.model.observe(prefill + batch.spec_slots, decodes, seconds)
         self.stats.record(prefill, decodes, seconds, reason)
 
     def _why_over(self, prefill: int, decodes: int, overdue: int) -> str:

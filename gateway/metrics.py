@@ -10,6 +10,7 @@ from enum import StrEnum
 
 from pdserve.gateway.planning import LatencySampler, PlannerMetrics
 from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.gateway.spec_metrics import SpecMetrics
 from pdserve.gateway.step_metrics import StepMetrics
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS
@@ -89,9 +90,9 @@ class GatewayMetrics:
 
 
 class ClusterMetrics:
-    """The workers' load and totals (their engine steps in ``steps``) and the coordinator's
-    routing decisions, as it last reported them (``ClusterState``): replaced wholesale at each
-    render, so a worker that left disappears."""
+    """The workers' load and totals (their engine steps in ``steps``, their speculative
+    decoding in ``spec``) and the coordinator's routing decisions, as it last reported them
+    (``ClusterState``): replaced wholesale at each render, so a worker that left disappears."""
 
     def __init__(self, r: Registry) -> None:
         worker = ["role", "worker"]
@@ -154,6 +155,7 @@ class ClusterMetrics:
             )
         )
         self.steps = StepMetrics(r)  # what each worker's engine steps were
+        self.spec = SpecMetrics(r)  # what each worker's speculative decoding drafted and kept
         self.routing = r.add(
             Counter(
                 "pdserve_routing_decisions_total",
@@ -184,6 +186,7 @@ class ClusterMetrics:
         for metric in (*gauges, *totals, self.transfer_time):
             metric.clear()
         self.steps.clear()
+        self.spec.clear()
         for s in stats:
             labels = {"role": s.role, "worker": s.worker_id}
             load = s.load
@@ -213,6 +216,7 @@ class ClusterMetrics:
                     c.transfer_seconds_counts, c.transfer_seconds_sum, **labels
                 )
             self.steps.set(c.steps, s.role, s.worker_id)
+            self.spec.set(c.spec, s.role, s.worker_id)
 
 
 class RunMetrics:

@@ -54,6 +54,8 @@ class Preset:
 PRESETS = {
     "tiny": Preset(64, 128, 2, 4, 2, 16, 2048, tie_word_embeddings=True),
     "small": Preset(512, 1024, 5, 8, 4, 64, 4096, tie_word_embeddings=False),
+    # a draft for "tiny" (speculative decoding tests): its KV heads and head size, one layer
+    "tiny-draft": Preset(32, 64, 1, 2, 2, 16, 2048, tie_word_embeddings=True),
     # Llama 3.2 1B's shape (its own vocabulary aside): the tensor-parallel benchmark's model
     "llama-1b": Preset(2048, 8192, 16, 32, 8, 64, 8192, tie_word_embeddings=True),
 }

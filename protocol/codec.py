@@ -25,7 +25,7 @@ import msgpack
 
 from pdserve.protocol.checks import Buffer, Frames, ProtocolError, Ref, check_fields, field_checkers
 
-PROTOCOL_VERSION = 11  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReason; 6: Share,
+PROTOCOL_VERSION = 12  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReason; 6: Share,
 # KVHeader.part and .last, KVAck.part (a transfer in parts); 7: GatewayHello.samples,
 # ClusterState.plans (the planner); 8: KVLayout.weights; 9: WorkerCounters.steps;
 # 10: WorkerLoad.growth_blocks, .expected_output_tokens, WorkerCounters.preemptions,

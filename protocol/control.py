@@ -36,6 +36,14 @@ STEP_DECODE_SEQS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 OVER_TARGET_REASONS = ("decodes", "age_bound", "misprediction")
 # The step-time model's terms (engine/step_model.py), in ``StepCounters.model``'s order
 STEP_MODEL_TERMS = ("fixed", "per_prefill_token", "per_decode_seq", "batched")
+# Speculative decoding (engine/spec/): why an engine step that ran decodes did or did not verify
+# drafts. ``speculated``: it did; ``no_drafts``: no decoding sequence had a proposal;
+# ``not_worth``: the step-time model priced the verification above the tokens it expected
+# (large batches, low acceptance); ``no_room``: the step's token budget or free blocks left no
+# slots for drafts; ``switched_off``: the worker's switch is off.
+SPEC_STEP_REASONS = ("speculated", "no_drafts", "not_worth", "no_room", "switched_off")
+SPEC_MODES = ("off", "ngram", "draft")
+MAX_SPEC_POSITIONS = 16  # drafts verified per sequence a step, at most (engine/config.py)
 # ranks of one tensor-parallel group (engine/tp/): more than any group spans
 MAX_TENSOR_PARALLEL_SIZE = 1024
 
@@ -52,6 +60,10 @@ class KVLayout:
     # the model's weight form (CausalLM.quantization: "none", "int8", "gguf Q4_1+Q8_0", ...):
     # blocks computed from other weights hold other values, so such workers never pair
     weights: str = ""
+    # a draft model's KV kept beside the target's (speculative decoding: engine/spec/draft.py):
+    # its layers follow the target's ``num_layers`` in every block moved; "" when none. Its
+    # name, layers and weight form, e.g. "smollm2-135m-instruct 30 layers int4"
+    draft: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +157,24 @@ class StepCounters:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpecCounters:
+    """A worker's speculative decoding since it started (``/metrics``); empty when it has
+    none (``mode`` "off")."""
+
+    mode: str = "off"  # SPEC_MODES
+    # per draft position (a sequence's 1st draft in a step, 2nd, ...; at most
+    # MAX_SPEC_POSITIONS): drafts verified there, and of those the ones accepted (kept with
+    # every draft before it: accepted[i] / drafted[i] is the chance position i's is kept)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    steps: dict[str, int] = field(default_factory=dict)  # SPEC_STEP_REASONS -> decode steps
+    draft_tokens: int = 0  # tokens the draft model computed (catching up and drafting)
+    # of those, prompt tokens: 0 on a decode worker whose prompts' draft KV came with the
+    # target's from a prefill worker
+    draft_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerCounters:
     """A worker's totals since it started (``Heartbeat`` → ``ClusterState`` → ``/metrics``)."""
 
@@ -159,6 +189,7 @@ class WorkerCounters:
     # ``TRANSFER_SECONDS_BUCKETS`` bound and one past the last (not cumulative); empty: none
     transfer_seconds_counts: list[int] = field(default_factory=list)
     steps: StepCounters = field(default_factory=StepCounters)
+    spec: SpecCounters = field(default_factory=SpecCounters)
 
 
 @message("heartbeat")

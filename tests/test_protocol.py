@@ -292,7 +292,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 11,
+        "v": 12,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -442,9 +442,9 @@ def test_out_of_range_sampling_is_refused_by_the_codec(changes: dict, message: s
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 11"),
-        (abort_frames(v=6), "Abort: protocol version 6, expected 11"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 11"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 12"),
+        (abort_frames(v=6), "Abort: protocol version 6, expected 12"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 12"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),

@@ -41,6 +41,10 @@ from pdserve.protocol.blocks import blocks_for
 
 logger = logging.getLogger(__name__)
 
+# queries of a sequence, at most, that attend as decode rows (a verification's 1 + k drafts)
+# when it has more context than that: no gather of its blocks, the decode kernel reads them
+SHORT_QUERY = 17
+
 
 @dataclass
 class _PrefillItem:
@@ -92,6 +96,14 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_rows.append(start)
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(seq_len)
+            elif q_len <= SHORT_QUERY < seq_len:
+                # a verification (engine/spec/) or a short chunk over a context: each query is
+                # a decode row seeing the keys up to its own position (its K/V are written first)
+                for i in range(q_len):
+                    row_len = seq_len - q_len + i + 1
+                    decode_rows.append(start + i)
+                    decode_tables.append(table[: blocks_for(row_len, bs)])
+                    decode_lens.append(row_len)
             else:
                 mask = None
                 if q_len != seq_len:

@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdserve.engine.tp.group import Command, GroupFailed, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,7 @@ def config_from_json(text: str) -> EngineConfig:
     d: dict[str, Any] = json.loads(text)
     d["cache"] = CacheConfig(**d["cache"])
     d["scheduler"] = SchedulerConfig(**d["scheduler"])
+    d["speculative"] = SpeculativeConfig(**d["speculative"])
     return EngineConfig(**d)
 
 
