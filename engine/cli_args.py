@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import (
+    QUANTIZATIONS,
+    SPEC_SWITCHES,
+    SPECULATIVE_MODES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -121,11 +129,69 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="rank 0's full-head blocks for KV moving in or out of a group (0: two "
         "max-length sequences, at most the cache's blocks)",
     )
+    add_spec_args(parser)
     g.add_argument(
         "--compile",
         action="store_true",
         help="CPU: run decode steps through torch.compile (needs g++; the graphs are built "
         "at start-up, minutes on a small CPU)",
+    )
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative",
+        default="off",
+        choices=list(SPECULATIVE_MODES),
+        help="decode workers: ngram (drafts looked up in the prompt and the output so far) or "
+        "draft (a small model with the same tokenizer, --draft-model, drafts greedily); one "
+        "forward pass verifies them, keeping exactly what the model would have produced. A "
+        "prefill worker with draft computes the draft's prompt KV and sends it with the "
+        "target's",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SpeculativeConfig.num_tokens,
+        help="drafts a step verifies per sequence, at most",
+    )
+    g.add_argument("--ngram-min", type=int, default=SpeculativeConfig.ngram_min)
+    g.add_argument("--ngram-max", type=int, default=SpeculativeConfig.ngram_max)
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="the draft model: a directory or a pulled model's name (its KV heads and head "
+        "size must be the target's)",
+    )
+    g.add_argument(
+        "--draft-quantization",
+        default="auto",
+        choices=list(QUANTIZATIONS),
+        help="the draft's weights, as --quantization (int4: a quantized copy of the target "
+        "drafts for it)",
+    )
+    g.add_argument(
+        "--spec-switch",
+        default="auto",
+        choices=list(SPEC_SWITCHES),
+        help="auto: a step speculates only where the step-time model says it pays (off at "
+        "large batches and low acceptance); on: whenever there are drafts; off: never",
+    )
+
+
+def spec_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    from pdserve.models.store import resolve_model
+
+    draft = args.draft_model
+    return SpeculativeConfig(
+        mode=args.speculative,
+        num_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_model=resolve_model(draft, args.dtype) if draft else None,
+        draft_quantization=args.draft_quantization,
+        switch=args.spec_switch,
     )
 
 
@@ -151,6 +217,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tp_timeout_s=args.tp_timeout,
         tp_staging_blocks=args.tp_staging_blocks,
         tp_join_timeout_s=args.tp_join_timeout,
+        speculative=spec_config_from_args(args),
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -34,6 +34,11 @@ FORWARDED_ENGINE_FLAGS = (
     "seed",
     "tp_timeout",
     "tp_staging_blocks",
+    "num_speculative_tokens",
+    "ngram_min",
+    "ngram_max",
+    "draft_quantization",
+    "spec_switch",
 )
 
 
@@ -78,6 +83,7 @@ def worker_command(
         if value is not None:
             common.append(f"--{flag.replace('_', '-')}={value}")
     common.append(f"--kv-cache-share={kv_share(args, role):.4g}")
+    common += spec_flags(args, role)
     if tp > 1:  # a group of tp ranks, --threads each (the worker starts the others)
         common.append(f"--tensor-parallel-size={tp}")
     for switch in ("no_prefix_caching", "enforce_eager", "compile"):  # flags without a value
@@ -96,6 +102,18 @@ def worker_command(
         cpus = ",".join(str((first + k) % cores) for k in range(threads * tp))
         cmd = ["taskset", "-c", cpus, *cmd] if shutil.which("taskset") else cmd
     return cmd
+
+
+def spec_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """``--speculative``: decode and colocated workers speculate; a prefill worker runs a
+    draft model only to compute its prompt KV (n-gram needs nothing there)."""
+    mode = getattr(args, "speculative", "off")
+    if mode == "off" or (mode == "ngram" and role == "prefill" and args.mode != "colocated"):
+        return []
+    flags = [f"--speculative={mode}"]
+    if mode == "draft" and args.draft_model:
+        flags.append(f"--draft-model={args.draft_model}")
+    return flags
 
 
 def role_tp(args: argparse.Namespace, role: str) -> int:

@@ -96,7 +96,13 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     weights = engine.runner.model.quantization
     own = layout_of(engine.runner.kv_cache.layers)  # a tensor-parallel rank's: its heads
     whole = engine.model_config.num_kv_heads  # what moves between workers: every head
-    return dataclasses.replace(own, weights=weights, num_kv_heads=whole)
+    draft = engine.spec.draft if engine.spec is not None else None
+    return dataclasses.replace(
+        own,
+        weights=weights,
+        num_kv_heads=whole,
+        draft=draft.describe() if draft is not None else "",
+    )
 
 
 class TransferStats:
@@ -123,9 +129,8 @@ def block_bytes(engine: LLMEngine) -> int:
     """Bytes of KV one block holds, over every layer and head (what moving it costs)."""
     layout = kv_layout(engine)
     itemsize = engine.runner.kv_cache.layers[0].element_size()
-    return (
-        layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
-    )
+    layers = len(engine.status.kv_layers)  # a draft model's layers move too
+    return layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
 
 
 def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> WorkerCounters:
@@ -142,6 +147,7 @@ def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -
         transfer_seconds_sum=t.seconds_sum,
         transfer_seconds_counts=list(t.counts) if transfers is not None else [],
         steps=engine.step_counters(),
+        spec=engine.spec_counters(),
     )
 
 
