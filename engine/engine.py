@@ -245,9 +245,11 @@ class LLMEngine:
                 verdicts = verify(checks, self.sampler, self._append_token)
                 spec.settle(verdicts)
                 outputs.extend(self._output(v.seq) for v in verdicts)
+        seconds = time.perf_counter() - start
         if spec is not None:
             spec.end_step(batch, decoding)
-        self.steps.observe(batch, time.perf_counter() - start)
+            seconds -= spec.drafting_s  # priced apart (engine/spec/policy.py)
+        self.steps.observe(batch, seconds)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:

@@ -222,3 +222,19 @@ def test_draft_kv_shares_the_budget(tiny_dir: Path) -> None:
     both = LLMEngine(replace(alone.config, speculative=spec))
     assert both.status.num_blocks == alone.status.num_blocks // 2
     assert len(both.status.kv_layers) == 2 * len(alone.status.kv_layers)
+
+
+def test_ngram_in_a_tensor_parallel_group(small_dir: Path) -> None:
+    """A TP-2 group's verification: rank 0 sends every position's row, the others run it."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    want = make_engine(small_dir).generate(prompts, params)
+    spec = SpeculativeConfig(mode="ngram", switch="on")
+    group = make_engine(small_dir, tensor_parallel_size=2, threads=1, speculative=spec)
+    try:
+        got = group.generate(prompts, params)
+        assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+        c = group.spec.counters()
+        assert 0 < sum(c.accepted) < sum(c.drafted)
+    finally:
+        group.close()

@@ -63,6 +63,8 @@ class Speculator:
         self.acceptance = Acceptance(config.num_tokens)
         self.reasons: Counter[str] = Counter()
         self._planned = False  # some sequence was given slots this step
+        # seconds this step's drafting took: not the target's step (its model prices it apart)
+        self.drafting_s = 0.0
         self._priced_out = 0  # draft mode: steps in a row the policy said no
 
     # ---- before scheduling ----------------------------------------------------------------------
@@ -174,6 +176,7 @@ class Speculator:
     def fill(self, batch: ScheduledBatch) -> None:
         """Draft mode: the scheduled sequences with slots draft now; the batch's counts are
         cut to the drafts the grammar allows."""
+        self.drafting_s = 0.0
         if self.draft is None:
             return
         picked = [i for i, s in enumerate(batch.seqs) if s.lookahead and s.is_decoding]
@@ -182,6 +185,7 @@ class Speculator:
         seqs = [batch.seqs[i] for i in picked]
         counts = [s.lookahead for s in seqs]
         drafts, seconds = self.draft.propose(seqs, counts)
+        self.drafting_s = seconds
         if self.model is not None:
             self.draft.observe(seconds, max(counts), self.model.costs.seconds(0, len(seqs)))
         for i, seq, proposal, count in zip(picked, seqs, drafts, counts, strict=True):
