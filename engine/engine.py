@@ -140,7 +140,7 @@ class LLMEngine:
 
         draft = None
         if config.speculative.mode == "draft":
-            draft = DraftModel(config, self.runner, self.model_config)
+            draft = DraftModel(config, self.runner, self.model_config, self.block_manager)
         return Speculator(
             config.speculative,
             self.block_manager,

@@ -52,12 +52,11 @@ class PrefillRoom:
         return min(n, allowed)
 
     def used(self, seq: Sequence, n: int, decoding: bool) -> None:
-        """``seq`` computes ``n`` tokens this step; a decode's drafts beyond its one token
-        (speculation: engine/spec/) take from the prompt room first."""
+        """``seq`` computes ``n`` tokens this step. A decode's drafts beyond its one token
+        (engine/spec/) take none of the prompt room: they bring tokens of their own, and the
+        speculation policy priced them with the step's prompt work in it."""
         if decoding:
             self._decodes_left -= 1
-            if self.left is not None:
-                self.left = max(0, self.left - (n - 1))
             return
         seq.progress_s = self._now
         if self.left is not None:

@@ -7,4 +7,6 @@
     peers/compare.py        pdserve against vLLM's CPU build and llama.cpp on the same cores
     overhead.py             the serving path's cost against the in-process engine
     soak.py                 a bounded run with faults: hung requests and leaked blocks
+    tp_speed.py             tensor parallelism: TP 2 against one process (a 1B-shape model)
+    spec_speed.py           speculative decoding: off, n-gram, an int4 draft; copy and chat
 """

@@ -24,20 +24,26 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from pdserve.engine.model_runner import ModelRunner, StepInputs, weight_bytes
+from pdserve.engine.model_runner import ModelRunner, StepInputs
 from pdserve.engine.scheduler import Sequence
+from pdserve.engine.step_model import calibrate_step_model
 
 logger = logging.getLogger(__name__)
-
-EMA = 0.2  # weight of the newest drafting's measured cost in ``pass_ratio``
 
 
 class DraftModel:
     """Owns the draft model's runner (its weights, attention backend, step buffers; its KV
     layers are the target cache's ``draft_layers``) and what drafting has cost."""
 
-    def __init__(self, config: EngineConfig, target: ModelRunner, target_config: ModelConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: ModelRunner,
+        target_config: ModelConfig,
+        blocks: BlockManager,
+    ) -> None:
         spec = config.speculative
         if spec.draft_model is None:
             raise ConfigError("--speculative draft needs --draft-model")
@@ -65,9 +71,11 @@ class DraftModel:
         self.name = Path(draft_dir).name
         self.num_layers = draft_config.num_layers
         self.weights = self.runner.model.quantization
-        # seconds a drafting pass takes over what a target decode step of as many sequences
-        # is predicted to take; at first, the ratio of their weights' bytes
-        self.pass_ratio = weight_bytes(self.runner.model) / max(weight_bytes(target.model), 1)
+        # what one drafting pass costs here, by sequences (and tokens caught up): its own
+        # step-time model, probed now and refit from every pass (engine/step_model.py)
+        self.model = calibrate_step_model(
+            self.runner, blocks, target.max_model_len, config.scheduler.max_num_seqs
+        )
         self.tokens = 0  # tokens it computed
         self.prompt_tokens = 0  # of those, prompt tokens (0 on a decode worker fed by transfers)
 
@@ -98,6 +106,8 @@ class DraftModel:
         first = [(seq.num_computed_tokens - seq.draft_lag, seq.num_tokens) for seq in seqs]
         tokens = [seq.token_ids[a:b] for seq, (a, b) in zip(seqs, first, strict=True)]
         logits = self._run(seqs, tokens, [a for a, _ in first])
+        caught_up = sum(len(t) - 1 for t in tokens)  # past each one's last token: prompt-like
+        self.model.observe(caught_up, len(seqs), time.perf_counter() - start)
         for seq, (a, _) in zip(seqs, first, strict=True):
             self.prompt_tokens += max(0, seq.num_prompt_tokens - a)
             seq.draft_lag = 0
@@ -105,19 +115,18 @@ class DraftModel:
         for j in range(1, max(counts)):
             active = [i for i, c in enumerate(counts) if c > j]
             positions = [seqs[i].num_tokens - 1 + j for i in active]
+            begun = time.perf_counter()
             logits = self._run(
                 [seqs[i] for i in active], [[drafts[i][-1]] for i in active], positions
             )
+            self.model.observe(0, len(active), time.perf_counter() - begun)
             for i, t in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
                 drafts[i].append(t)
         return drafts, time.perf_counter() - start
 
-    def observe(self, seconds: float, passes: int, target_step_s: float) -> None:
-        """A drafting of ``passes`` passes took ``seconds``; a target step of as many
-        sequences is predicted at ``target_step_s``: ``pass_ratio`` moves toward it."""
-        if passes > 0 and target_step_s > 0:
-            measured = seconds / passes / target_step_s
-            self.pass_ratio += EMA * (measured - self.pass_ratio)
+    def seconds(self, seqs: int, passes: int) -> float:
+        """What drafting ``passes`` tokens for ``seqs`` sequences is predicted to take."""
+        return passes * self.model.costs.seconds(0, seqs)
 
     def _run(
         self, seqs: list[Sequence], tokens: list[list[int]], starts: list[int]

@@ -141,11 +141,9 @@ class Speculator:
         prompt = sum(s.num_uncomputed_tokens for s in scheduler.running if not s.is_decoding)
         prompt += sum(s.num_uncomputed_tokens for s in scheduler.waiting)
         prompt = min(prompt, scheduler.config.max_num_batched_tokens)
-        draft_seconds = None
         if self.draft is not None:
             draft, k = self.draft, self.config.num_tokens
-            draft_seconds = lambda n: k * draft.pass_ratio * costs.seconds(0, n)  # noqa: E731
-            chosen = choose(candidates, costs, prompt, decodes, draft_seconds)
+            chosen = choose(candidates, costs, prompt, decodes, lambda n: draft.seconds(n, k))
             if chosen:
                 self._priced_out = 0
                 return chosen
@@ -184,10 +182,7 @@ class Speculator:
             return
         seqs = [batch.seqs[i] for i in picked]
         counts = [s.lookahead for s in seqs]
-        drafts, seconds = self.draft.propose(seqs, counts)
-        self.drafting_s = seconds
-        if self.model is not None:
-            self.draft.observe(seconds, max(counts), self.model.costs.seconds(0, len(seqs)))
+        drafts, self.drafting_s = self.draft.propose(seqs, counts)
         for i, seq, proposal, count in zip(picked, seqs, drafts, counts, strict=True):
             seq.spec_tokens = self._valid(seq, proposal)
             self.state(seq).passes = count
