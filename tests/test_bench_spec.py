@@ -8,16 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.experiments.spec_speed import (
+from pdserve.bench.experiments.spec_speed import spec_counters, spec_figures
+from pdserve.bench.experiments.spec_speed_report import aims, noise, summarize
+from pdserve.bench.experiments.spec_workloads import (
     add_typos,
-    aims,
-    noise,
     passages,
     prose_paragraphs,
     requests_per_stream,
-    spec_counters,
-    spec_figures,
-    summarize,
     workload,
 )
 

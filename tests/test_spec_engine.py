@@ -74,11 +74,11 @@ def test_ngram_proposals() -> None:
 
     index = NgramIndex(2, 3)
     tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
-    assert index.propose(tokens, 3) == [3, 5, 1]  # "1 2": the latest earlier one, at 4
-    assert index.propose([*tokens, 3], 2) == [5, 1]  # "1 2 3" (longest) at 4 -> 5
-    assert index.propose([7, 8, 9], 4) == []
-    assert NgramIndex(1, 2).propose([4, 5, 4, 5, 4], 5) == [5, 4, 5, 4, 5]  # copies itself
-    assert NgramIndex(2, 2).propose([4, 5, 6], 3) == []
+    assert index.propose(tokens, 3) == ([3, 5, 1], 2)  # "1 2": the latest earlier one, at 4
+    assert index.propose([*tokens, 3], 2) == ([5, 1], 3)  # "1 2 3" (longest) at 4 -> 5
+    assert index.propose([7, 8, 9], 4) == ([], 0)
+    assert NgramIndex(1, 2).propose([4, 5, 4, 5, 4], 5) == ([5, 4, 5, 4, 5], 2)  # copies itself
+    assert NgramIndex(2, 2).propose([4, 5, 6], 3) == ([], 0)
 
 
 @pytest.mark.parametrize("mode", SPEC)

@@ -44,7 +44,6 @@ off; 32 streams tokens/s within 5% of off); writes ``<out>.json`` (every round's
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import datetime
 import hashlib
@@ -55,7 +54,6 @@ import re
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +66,19 @@ import numpy as np
 from pdserve.bench.client import Target, first_model
 from pdserve.bench.datasets import BenchRequest
 from pdserve.bench.experiments.cluster import ROOT, ServeProcess
+from pdserve.bench.experiments.spec_speed_report import (
+    WORKLOADS,
+    aims,
+    cpu_model,
+    fmt,
+    markdown,
+    summarize,
+)
+from pdserve.bench.experiments.spec_workloads import (
+    project_passages,
+    requests_per_stream,
+    workload,
+)
 from pdserve.bench.metrics import RequestOutput, metric_values
 from pdserve.bench.runner import RunSpec, make_client, run_requests
 
@@ -77,62 +88,8 @@ ARMS = {
     "ngram": ["--speculative=ngram"],
     "draft": ["--speculative=draft", f"--draft-model={MODEL}", "--draft-quantization=int4"],
 }
-WORKLOADS = ("copy", "chat")
 KV_STREAMS, KV_TOKENS, BLOCK_SIZE = 32, 900, 16
-INSTRUCTIONS = (  # (kind, weight, template): the copy workload's asks
-    ("repeat", 2, "Repeat the following passage exactly, word for word:\n\n{}"),
-    ("typos", 1, "Fix the typos in this passage and return it, otherwise unchanged:\n\n{}"),
-    ("lines", 1, "Return this passage with each sentence on its own line:\n\n{}"),
-    ("continue", 1, "Continue this text:\n\n{}"),
-)
-QUESTIONS = """\
-Why is the sky blue?
-How do vaccines train the immune system?
-What makes a good teacher?
-Explain how a bicycle stays upright.
-What are the pros and cons of working from home?
-How does a refrigerator keep food cold?
-Describe the water cycle.
-What should I pack for a week of hiking?
-Why do leaves change colour in autumn?
-How can I get better at public speaking?
-What is the difference between weather and climate?
-Write a short story about a lighthouse keeper.
-How do airplanes fly?
-What are some tips for learning a new language?
-Explain photosynthesis to a ten-year-old.
-Why is sleep important?
-How does a credit score work?
-What are black holes?
-Suggest a plan for a rainy Sunday afternoon.
-How do bees make honey?
-What causes earthquakes?
-Write a poem about the sea.
-How should I prepare for a job interview?
-What is the history of the printing press?
-Why do cats purr?
-How does recycling help the environment?
-Explain what inflation is.
-What are the benefits of regular exercise?
-How do I make a simple tomato sauce?
-Describe a day in the life of a medieval farmer.
-What is machine learning?
-How do tides work?
-Give me advice on saving money.
-Why did the Roman Empire fall?
-How does the heart pump blood?
-What makes a city pleasant to live in?
-Explain how a compass works.
-What are good habits for staying focused?
-How are rainbows formed?
-Describe how to plant a vegetable garden.
-""".splitlines()  # the chat workload: open questions, long answers
-AIM_COPY_SPEEDUP, AIM_SLOWDOWN, AIM_THROUGHPUT = 1.8, 1.05, 0.95
 EST_STEP_S, EST_STEP_PER_STREAM_S, EST_PREFILL_TOKEN_S = 0.022, 0.0012, 0.0015  # 2 cores, fp32
-
-
-def requests_per_stream(streams: int) -> int:
-    return 4 if streams == 1 else 3 if streams < 32 else 2
 
 
 def serve_flags(arm: str, threads: int) -> list[str]:
@@ -140,123 +97,6 @@ def serve_flags(arm: str, threads: int) -> list[str]:
     flags = ["--mode=colocated", "--prefill=0", "--decode=1", f"--threads={threads}"]
     flags += ["--quantization=none", f"--num-kv-blocks={blocks}", "--max-num-seqs=64"]
     return flags + ARMS[arm]
-
-
-# ---- the workloads ---------------------------------------------------------------------------
-
-
-def prose_paragraphs(text: str) -> list[str]:
-    """Paragraphs of prose in markdown or a docstring: no code, tables, headings or drawings."""
-    out: list[str] = []
-    block: list[str] = []
-    fenced = False
-    for line in [*text.splitlines(), ""]:
-        s = line.strip()
-        if s.startswith("```"):
-            fenced = not fenced
-        code = fenced or s.startswith(("```", "#", "|", "<")) or line.startswith(("    ", "\t"))
-        if code or not s:
-            para = " ".join(block)
-            letters = sum(ch.isalpha() or ch.isspace() for ch in para)
-            if len(para.split()) >= 12 and letters >= 0.8 * len(para):
-                out.append(para)
-            block = []
-        else:
-            block.append(s)
-    return out
-
-
-def passages(paragraphs: list[str], lo: int = 150, hi: int = 300) -> list[str]:
-    """Runs of whole sentences of consecutive paragraphs, ``lo``-``hi`` words each, ending
-    where a paragraph does when they can."""
-    out: list[str] = []
-    cur: list[list[str]] = []  # the passage's paragraphs, each a list of sentences
-    words = 0
-    for para in paragraphs:
-        cur.append([])
-        for sentence in re.split(r"(?<=[.!?])\s+", para):
-            n = len(sentence.split())
-            if words + n > hi:
-                if words >= lo:
-                    out.append("\n\n".join(" ".join(p) for p in cur if p))
-                cur, words = [[]], 0
-                if n > hi:
-                    continue
-            cur[-1].append(sentence)
-            words += n
-        if words >= lo:
-            out.append("\n\n".join(" ".join(p) for p in cur if p))
-            cur, words = [], 0
-    return out
-
-
-def project_passages(root: Path) -> list[tuple[str, str]]:
-    """(source, passage) from the project's text: its READMEs, DESIGN.md, module docstrings."""
-    docs = [root / "README.md", root.parent / "shared/DESIGN.md", root / "bench/README.md"]
-    texts = [(os.path.relpath(p, root), p.read_text()) for p in docs if p.is_file()]
-    for path in sorted(root.glob("*/**/*.py")):
-        if path.parts[len(root.parts)].startswith((".", "tests")):
-            continue
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text()))
-        except (SyntaxError, UnicodeDecodeError):  # a file mid-edit
-            continue
-        if doc:
-            texts.append((path.relative_to(root).as_posix(), doc))
-    docstrings = "\n\n".join(text for src, text in texts if src.endswith(".py"))
-    found = [
-        (src, p)
-        for src, text in texts
-        if not src.endswith(".py")
-        for p in passages(prose_paragraphs(text))
-    ]
-    found += [("docstrings", p) for p in passages(prose_paragraphs(docstrings))]
-    return found
-
-
-def add_typos(text: str, rng: np.random.Generator, share: float = 0.1) -> str:
-    """Swaps two inner letters of about ``share`` of the words of four letters or more."""
-    words = text.split(" ")
-    for i, word in enumerate(words):
-        if len(word) >= 4 and word.isalpha() and rng.random() < share:
-            j = int(rng.integers(1, len(word) - 2))
-            words[i] = word[:j] + word[j + 1] + word[j] + word[j + 2 :]
-    return " ".join(words)
-
-
-def chat(text: str, max_tokens: int, kind: str) -> BenchRequest:
-    message = {"role": "user", "content": text}
-    return BenchRequest(text, max_tokens, len(text.split()), messages=(message,), kind=kind)
-
-
-def copy_requests(
-    found: list[tuple[str, str]], n: int, max_tokens: int, seed: int
-) -> list[BenchRequest]:
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(found))
-    weights = np.array([w for _, w, _ in INSTRUCTIONS], dtype=np.float64)
-    out = []
-    for i in range(n):
-        _, text = found[order[i % len(found)]]
-        kind, _, template = INSTRUCTIONS[
-            int(rng.choice(len(INSTRUCTIONS), p=weights / weights.sum()))
-        ]
-        body = add_typos(text, rng) if kind == "typos" else text
-        out.append(chat(template.format(body), max_tokens, f"copy-{kind}"))
-    return out
-
-
-def chat_requests(n: int, max_tokens: int, seed: int) -> list[BenchRequest]:
-    order = np.random.default_rng(seed).permutation(len(QUESTIONS))
-    return [chat(QUESTIONS[order[i % len(QUESTIONS)]], max_tokens, "chat") for i in range(n)]
-
-
-def workload(
-    name: str, found: list[tuple[str, str]], n: int, max_tokens: int, seed: int
-) -> list[BenchRequest]:
-    if name == "copy":
-        return copy_requests(found, n, max_tokens, seed)
-    return chat_requests(n, max_tokens, seed)
 
 
 # ---- /metrics --------------------------------------------------------------------------------
@@ -444,204 +284,6 @@ def estimate_s(streams: list[int], max_tokens: int, rounds: int, arms: int) -> f
         # both workloads' decodes, the copy prompts (~400 tokens), two settles of /metrics
         level += 2 * decode + n * 400 * EST_PREFILL_TOKEN_S + 2 * 3.5
     return level * arms * rounds * 2 / (os.cpu_count() or 1) + arms * 40
-
-
-# ---- the report ------------------------------------------------------------------------------
-
-
-def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "rounds": values,
-    }
-
-
-MEDIANS = (
-    "tpot_ms",
-    "ttft_ms",
-    "tokens_per_s",
-    "acceptance",
-    "speculated_share",
-    "mean_step_ms",
-    "mean_output_tokens",
-)
-
-
-def summarize(runs: list[dict[str, Any]], arms: list[str], streams: list[int]) -> dict[str, Any]:
-    """``{workload: {streams: {arm: medians over rounds, and ratios against off}}}``."""
-    out: dict[str, Any] = {}
-    for w in WORKLOADS:
-        for c in streams:
-            rows = {
-                a: sorted(
-                    (r for r in runs if (r["arm"], r["workload"], r["streams"]) == (a, w, c)),
-                    key=lambda r: int(r["round"]),
-                )
-                for a in arms
-            }
-            for a, rs in rows.items():
-                fig: dict[str, Any] = {k: median_of(rs, k) for k in MEDIANS}
-                fig["failed"] = sum(int(r["failed"]) for r in rs)
-                drafted = [sum(col) for col in zip(*(r["drafted"] for r in rs), strict=False)]
-                accepted = [sum(col) for col in zip(*(r["accepted"] for r in rs), strict=False)]
-                fig["position_acceptance"] = [
-                    a_ / d if d else None for a_, d in zip(accepted, drafted, strict=True)
-                ]
-                pairs = list(zip(rows.get("off", []), rs, strict=False)) if a != "off" else []
-                if pairs and all(o["tpot_ms"] and x["tpot_ms"] for o, x in pairs):
-                    fig["tpot_speedup"] = spread([o["tpot_ms"] / x["tpot_ms"] for o, x in pairs])
-                if pairs and all(o["tokens_per_s"] for o, _ in pairs):
-                    fig["tps_ratio"] = spread(
-                        [x["tokens_per_s"] / o["tokens_per_s"] for o, x in pairs]
-                    )
-                out.setdefault(w, {}).setdefault(str(c), {})[a] = fig
-    return out
-
-
-def aims(summary: dict[str, Any], streams: list[int]) -> list[tuple[str, str, str]]:
-    """(aim, PASS | MISS | n/a, the figures) for the issue's three aims."""
-    out: list[tuple[str, str, str]] = []
-    one = summary.get("copy", {}).get("1", {}).get("ngram", {}).get("tpot_speedup")
-    aim = f"copy, 1 stream, ngram: TPOT >= {AIM_COPY_SPEEDUP}x lower than off"
-    if one is None:
-        out.append((aim, "n/a", "not measured (needs arms off and ngram, streams 1)"))
-    else:
-        ok = one["median"] >= AIM_COPY_SPEEDUP
-        out.append(
-            (
-                aim,
-                "PASS" if ok else "MISS",
-                f"{one['median']:.2f}x ({one['min']:.2f}-{one['max']:.2f})",
-            )
-        )
-    slow = [
-        (f"{a} at {c}", 1 / f["tpot_speedup"]["median"])
-        for c, by_arm in summary.get("chat", {}).items()
-        for a, f in by_arm.items()
-        if "tpot_speedup" in f
-    ]
-    aim = f"chat: no arm's TPOT more than {AIM_SLOWDOWN - 1:.0%} above off's at any concurrency"
-    figures = ", ".join(f"{name}: {ratio:.2f}x off's" for name, ratio in slow)
-    ok = all(ratio <= AIM_SLOWDOWN for _, ratio in slow)
-    out.append((aim, "n/a" if not slow else "PASS" if ok else "MISS", figures or "not measured"))
-    top = max(streams)
-    ratios = [
-        (f"{w} {a}", f["tps_ratio"]["median"])
-        for w in WORKLOADS
-        for a, f in summary.get(w, {}).get(str(top), {}).items()
-        if "tps_ratio" in f
-    ]
-    aim = f"{top} streams: tokens/s within {1 - AIM_THROUGHPUT:.0%} of off's (or above)"
-    if top != 32:
-        aim += " (the aim is at 32 streams)"
-    figures = ", ".join(f"{name}: {ratio:.2f}x" for name, ratio in ratios)
-    ok = all(ratio >= AIM_THROUGHPUT for _, ratio in ratios)
-    out.append((aim, "n/a" if not ratios else "PASS" if ok else "MISS", figures or "not measured"))
-    return out
-
-
-def fmt(value: float | None, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
-
-
-def ratio_cell(s: dict[str, Any] | None) -> str:
-    return "-" if s is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
-
-
-def tables(summary: dict[str, Any]) -> str:
-    lines: list[str] = []
-    for w, by_streams in summary.items():
-        lines += [
-            f"### {w}",
-            "",
-            "| streams | arm | TPOT ms | TTFT ms | tokens/s | out tokens | acceptance "
-            "| by position | speculated | step ms | TPOT off/arm | tokens/s arm/off | failed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for c, by_arm in by_streams.items():
-            for a, f in by_arm.items():
-                positions = "/".join(fmt(p, "{:.2f}") for p in f["position_acceptance"]) or "-"
-                cells = [
-                    c,
-                    a,
-                    fmt(f["tpot_ms"], "{:.1f}"),
-                    fmt(f["ttft_ms"], "{:.0f}"),
-                    fmt(f["tokens_per_s"], "{:.1f}"),
-                    fmt(f["mean_output_tokens"], "{:.0f}"),
-                    fmt(f["acceptance"], "{:.0%}"),
-                    positions,
-                    fmt(f["speculated_share"], "{:.0%}"),
-                    fmt(f["mean_step_ms"], "{:.1f}"),
-                    ratio_cell(f.get("tpot_speedup")),
-                    ratio_cell(f.get("tps_ratio")),
-                    f["failed"],
-                ]
-                lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    try:
-        done = subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    found = re.search(r"^Model name:\s*(.+)$", done.stdout, re.M)
-    return found.group(1).strip() if found else "?"
-
-
-def noise(runs: list[dict[str, Any]]) -> str:
-    """Other processes' share of the CPUs over the levels: what may have skewed them."""
-    shares = [r["other_cpu_share"] for r in runs if r.get("other_cpu_share") is not None]
-    if not shares:
-        return "other processes' CPU not measured"
-    busy = [
-        f"{r['workload']} {r['streams']} {r['arm']} round {int(r['round']) + 1}"
-        for r in runs
-        if (r.get("other_cpu_share") or 0) > 0.1
-    ]
-    return (
-        f"other processes took a median {statistics.median(shares):.0%} of the CPUs during a "
-        f"level, at most {max(shares):.0%}; over 10% in: {', '.join(busy) or 'none'}"
-    )
-
-
-def markdown(report: dict[str, Any]) -> str:
-    h = report["host"]
-    lines = [
-        "# Speculative decoding: off, n-gram and int4-draft against an fp32 target",
-        "",
-        f"- command: `{report['command']}`",
-        f"- host: {h['cpus']} CPUs ({h['cpu_model']}), load average {h['loadavg_before']:.2f} "
-        f"before, {h['loadavg_after']:.2f} after; {report['date']}",
-        f"- {noise(report['runs'])}",
-        f"- model: {report['model']}, float32 (`--quantization none`), one colocated worker",
-        *(f"- {a}: `pdserve serve {shlex.join(flags)}`" for a, flags in report["flags"].items()),
-        f"- {report['rounds']} rounds, medians; streams {report['streams']}, "
-        f"{report['max_tokens']} output tokens at most, closed loop, requests a stream "
-        + ", ".join(f"{c}: {requests_per_stream(c)}" for c in report["streams"]),
-        f"- ignore_eos: copy no, chat {'yes' if report['chat_ignore_eos'] else 'no'}; "
-        f"{report['passages']} passages of the project's text (workload sha256 "
-        f"{report['workload_sha256'][:12]})",
-        "- TPOT off/arm > 1: the arm is faster; tokens/s arm/off > 1: more throughput; "
-        "median (min-max) over rounds; acceptance: accepted / verified drafts, by position each "
-        "position's own; speculated: share of decode steps that verified drafts; step ms: the "
-        "worker's mean engine step (prefills included)",
-        "",
-        tables(report["summary"]),
-        "### aims",
-        "",
-        *(f"- {status}: {aim}: {figures}" for aim, status, figures in report["aims"]),
-        "",
-    ]
-    return "\n".join(lines)
 
 
 # ---- main ------------------------------------------------------------------------------------

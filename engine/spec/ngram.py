@@ -32,15 +32,16 @@ class NgramIndex:
                 after[tuple(tokens[end - n : end])] = end
         self.num_indexed = max(self.num_indexed, len(tokens))
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest matching suffix; [] when none did."""
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """``k`` tokens that followed the longest matching suffix, and that suffix's length
+        (its kind: longer matches are kept more often); ([], 0) when none matched."""
         self.update(tokens)
         total = len(tokens)
         for n in range(min(self.n_max, total), self.n_min - 1, -1):
             start = self.after.get(tuple(tokens[total - n :]))
             if start is not None:
-                return _copy(tokens, start, k)
-        return []
+                return _copy(tokens, start, k), n
+        return [], 0
 
 
 def _copy(tokens: Sequence[int], start: int, k: int) -> list[int]:

@@ -8,9 +8,11 @@ it yields ``e_s`` more tokens, the drafts expected to be kept::
     e_s = r + r^2 + ... + r^k_s     r: the sequence's acceptance rate, its own drafts so far
                                         blended with the worker's (``Acceptance``)
 
-Sequences go in by ``e_s / k_s``, best first; the step speculates on the prefix that gives
-the most tokens a second, if that beats ``D / T(P, D)`` by ``MARGIN``. At large batches the
-rows cost as much as the tokens they may bring, and with low acceptance they bring few: off.
+Each sequence verifies only the drafts worth a row (``worth_drafting``: the j-th brings
+``r^j`` tokens); sequences go in by ``e_s / k_s``, best first; the step speculates on the
+prefix that gives the most tokens a second, if that beats ``D / T(P, D)`` by ``MARGIN``. At
+large batches the rows cost as much as the tokens they may bring, and with low acceptance they
+bring few: off.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from dataclasses import dataclass
 
 from pdserve.engine.step_model import StepCosts
 
-MARGIN = 0.03  # predicted gain a step must show to speculate (noise in the model, not a win)
-PRIOR_RATE = 0.5  # the worker's acceptance rate before it has measured one
+MARGIN = 0.05  # predicted gain a step must show to speculate (noise in the model, not a win)
+PRIOR_RATE = 0.3  # a kind of proposal's acceptance rate before the worker has measured one
 PRIOR_WEIGHT = 8.0  # drafts that prior counts as
 SEQ_PRIOR_WEIGHT = 4.0  # drafts the worker's rate counts as in a sequence's own
-DECAY = 0.998  # a verified sequence's weight in the worker's rate fades by this each verdict
+DECAY = 0.99  # a verdict's weight in the worker's rate fades by this each later one: it
+# follows the traffic of the last hundred or so (a copy-heavy spell says little of chat next)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,21 @@ def expected_kept(rate: float, drafts: int) -> float:
         term *= rate
         total += term
     return total
+
+
+def worth_drafting(rate: float, drafts: int, costs: StepCosts, prompt: int, decodes: int) -> int:
+    """How many of ``drafts`` are worth a row: the j-th brings ``rate^j`` tokens, each worth
+    what a token of the step without speculation costs; a row costs a prompt token's time."""
+    if decodes <= 0:
+        return 0
+    token_s = costs.seconds(prompt, decodes) / decodes
+    worth, term = 0, 1.0
+    for _ in range(drafts):
+        term *= rate
+        if term * token_s <= costs.per_prefill_token_s:
+            break
+        worth += 1
+    return worth
 
 
 def choose(
@@ -76,34 +94,38 @@ def choose(
 
 class Acceptance:
     """The worker's acceptance: per draft position, drafts verified and kept since start (the
-    metrics), and a fading rate over all positions (what a new sequence is expected to keep).
+    metrics), and fading rates by kind of proposal (what a sequence is expected to keep before
+    it has shown its own): an n-gram proposal's kind is the length of the match that found it
+    (a 4-token match is kept far more often than a 2-token one), a draft model's is 0.
     Each sequence's own counts live in its ``SeqSpec``."""
 
     def __init__(self, positions: int) -> None:
         self.drafted = [0] * positions
         self.accepted = [0] * positions
-        self._seen = PRIOR_WEIGHT
-        self._kept = PRIOR_RATE * PRIOR_WEIGHT
+        self._seen: dict[int, float] = {}
+        self._kept: dict[int, float] = {}
 
-    @property
-    def rate(self) -> float:
-        """Kept / verified drafts, recent ones weighing most (a draft reached only when those
-        before it were kept: a conditional rate)."""
-        return self._kept / self._seen
+    def rate(self, kind: int = 0) -> float:
+        """Kept / reached drafts of ``kind``, recent ones weighing most (a draft is reached only
+        when those before it were kept: a conditional rate)."""
+        seen = self._seen.get(kind, PRIOR_WEIGHT)
+        return self._kept.get(kind, PRIOR_RATE * PRIOR_WEIGHT) / seen
 
-    def record(self, drafts: int, kept: int) -> None:
-        """A sequence verified ``drafts`` drafts and kept the first ``kept``."""
+    def record(self, drafts: int, kept: int, kind: int = 0) -> None:
+        """A sequence verified ``drafts`` drafts of ``kind`` and kept the first ``kept``."""
         for position in range(min(drafts, len(self.drafted))):
             self.drafted[position] += 1
             self.accepted[position] += position < kept
-        self.observe(min(drafts, kept + 1), kept)
+        self.observe(min(drafts, kept + 1), kept, kind)
 
-    def observe(self, tested: int, kept: int) -> None:
+    def observe(self, tested: int, kept: int, kind: int = 0) -> None:
         """Into the rate alone: ``tested`` drafts reached (the kept ones and a first miss),
         ``kept`` kept (a verification, or a proposal checked against the tokens that came)."""
-        self._seen = self._seen * DECAY + tested
-        self._kept = self._kept * DECAY + kept
+        seen = self._seen.get(kind, PRIOR_WEIGHT)
+        self._seen[kind] = seen * DECAY + tested
+        self._kept[kind] = self._kept.get(kind, PRIOR_RATE * PRIOR_WEIGHT) * DECAY + kept
 
-    def seq_rate(self, drafted: int, kept: int) -> float:
-        """A sequence's rate: its own tested drafts blended with the worker's rate."""
-        return (kept + SEQ_PRIOR_WEIGHT * self.rate) / (drafted + SEQ_PRIOR_WEIGHT)
+    def seq_rate(self, drafted: int, kept: int, kind: int = 0) -> float:
+        """A sequence's rate: its own tested drafts blended with the worker's for ``kind``."""
+        prior = self.rate(kind)
+        return (kept + SEQ_PRIOR_WEIGHT * prior) / (drafted + SEQ_PRIOR_WEIGHT)

@@ -22,7 +22,13 @@ from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, Sequence
 from pdserve.engine.spec.draft import DraftModel
 from pdserve.engine.spec.ngram import NgramIndex
-from pdserve.engine.spec.policy import Acceptance, Candidate, choose, expected_kept
+from pdserve.engine.spec.policy import (
+    Acceptance,
+    Candidate,
+    choose,
+    expected_kept,
+    worth_drafting,
+)
 from pdserve.engine.spec.verify import Verdict
 from pdserve.engine.step_model import StepModel
 from pdserve.protocol.control import SPEC_STEP_REASONS, SpecCounters
@@ -41,6 +47,8 @@ class SeqSpec:
     shadow: list[int] = field(default_factory=list)
     shadow_from: int = 0  # the token index the shadow proposal starts at
     passes: int = 0  # draft passes its last drafting ran
+    kind: int = 0  # its last proposal's kind (``Acceptance``: an n-gram's match length)
+    shadow_kind: int = 0
 
 
 class Speculator:
@@ -119,7 +127,8 @@ class Speculator:
         state = self.state(seq)
         if state.index is None:
             state.index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        return self._valid(seq, state.index.propose(seq.token_ids, room))
+        proposal, state.kind = state.index.propose(seq.token_ids, room)
+        return self._valid(seq, proposal)
 
     @staticmethod
     def _valid(seq: Sequence, drafts: list[int]) -> list[int]:
@@ -133,14 +142,16 @@ class Speculator:
     ) -> list[int]:
         if self.config.switch == "on" or self.model is None:
             return list(range(len(seqs)))
-        candidates = [
-            Candidate(len(d), expected_kept(self._rate(s), len(d)))
-            for s, d in zip(seqs, drafts, strict=True)
-        ]
         costs = self.model.costs
         prompt = sum(s.num_uncomputed_tokens for s in scheduler.running if not s.is_decoding)
         prompt += sum(s.num_uncomputed_tokens for s in scheduler.waiting)
         prompt = min(prompt, scheduler.config.max_num_batched_tokens)
+        rates = [self._rate(s) for s in seqs]
+        for rate, d in zip(rates, drafts, strict=True):  # each cut to the drafts that pay
+            del d[max(1, worth_drafting(rate, len(d), costs, prompt, decodes)) :]
+        candidates = [
+            Candidate(len(d), expected_kept(r, len(d))) for r, d in zip(rates, drafts, strict=True)
+        ]
         if self.draft is not None:
             draft, k = self.draft, self.config.num_tokens
             chosen = choose(candidates, costs, prompt, decodes, lambda n: draft.seconds(n, k))
@@ -156,12 +167,13 @@ class Speculator:
 
     def _rate(self, seq: Sequence) -> float:
         state = self.state(seq)
-        return self.acceptance.seq_rate(state.tested, state.kept)
+        return self.acceptance.seq_rate(state.tested, state.kept, state.kind)
 
     def _shadow(self, seq: Sequence, proposal: list[int]) -> None:
         state = self.state(seq)
         if not state.shadow:
             state.shadow, state.shadow_from = list(proposal), seq.num_tokens
+            state.shadow_kind = state.kind
 
     @staticmethod
     def state(seq: Sequence) -> SeqSpec:
@@ -195,8 +207,8 @@ class Speculator:
         blocks past them go back, the prefix cache is offered only what was kept."""
         for v in verdicts:
             seq = v.seq
-            self.acceptance.record(len(v.drafts), v.accepted)
             state = self.state(seq)
+            self.acceptance.record(len(v.drafts), v.accepted, state.kind)
             state.tested += min(len(v.drafts), v.accepted + 1)
             state.kept += v.accepted
             if seq.is_finished:
@@ -234,7 +246,7 @@ class Speculator:
         while kept < min(len(came), len(state.shadow)) and came[kept] == state.shadow[kept]:
             kept += 1
         if kept == len(state.shadow) or kept < len(came) or seq.is_finished:
-            self.acceptance.observe(min(len(state.shadow), kept + 1), kept)
+            self.acceptance.observe(min(len(state.shadow), kept + 1), kept, state.shadow_kind)
             state.tested += min(len(state.shadow), kept + 1)
             state.kept += kept
             state.shadow = []
