@@ -242,8 +242,9 @@ class LLMEngine:
                     outputs.append(self._output(seq))
                 self.forks.settle(plain)
             if checks and spec is not None:
+                begun = time.perf_counter()
                 verdicts = verify(checks, self.sampler, self._append_token)
-                spec.settle(verdicts)
+                spec.settle(verdicts, time.perf_counter() - begun)
                 outputs.extend(self._output(v.seq) for v in verdicts)
         seconds = time.perf_counter() - start
         if spec is not None:

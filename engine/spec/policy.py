@@ -69,9 +69,12 @@ def choose(
     prompt_tokens: int,
     decode_seqs: int,
     draft_seconds: Callable[[int], float] = lambda seqs: 0.0,
+    verify_s: float = 0.0,
 ) -> list[int]:
     """Indices of ``candidates`` to speculate on this step ([]: none pays).
-    ``draft_seconds(seqs)``: what drafting for that many sequences costs (0: n-gram)."""
+    ``draft_seconds(seqs)``: what drafting for that many sequences costs (0: n-gram);
+    ``verify_s``: what a step that verifies pays on top of its rows (the sampler position by
+    position, measured)."""
     if not candidates or decode_seqs <= 0:
         return []
     base = decode_seqs / max(costs.seconds(prompt_tokens, decode_seqs), 1e-9)
@@ -86,6 +89,7 @@ def choose(
         rows += candidates[i].drafts
         tokens += candidates[i].expected
         seconds = costs.seconds(prompt_tokens + rows, decode_seqs) + draft_seconds(taken)
+        seconds += verify_s
         rate = tokens / max(seconds, 1e-9)
         if rate > best_rate:
             best, best_rate = taken, rate

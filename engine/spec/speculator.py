@@ -33,6 +33,7 @@ from pdserve.engine.spec.verify import Verdict
 from pdserve.engine.step_model import StepModel
 from pdserve.protocol.control import SPEC_STEP_REASONS, SpecCounters
 
+VERIFY_EMA = 0.1  # the newest verification's weight in ``verify_s``
 PROBE_EVERY = 16  # draft mode, speculation priced out: one sequence drafts every this many steps
 
 
@@ -74,6 +75,7 @@ class Speculator:
         # seconds this step's drafting took: not the target's step (its model prices it apart)
         self.drafting_s = 0.0
         self._priced_out = 0  # draft mode: steps in a row the policy said no
+        self.verify_s = 0.001  # a verification's own cost past its rows (sampling), recent
 
     # ---- before scheduling ----------------------------------------------------------------------
     def plan(self, scheduler: Scheduler) -> None:
@@ -154,7 +156,9 @@ class Speculator:
         ]
         if self.draft is not None:
             draft, k = self.draft, self.config.num_tokens
-            chosen = choose(candidates, costs, prompt, decodes, lambda n: draft.seconds(n, k))
+            chosen = choose(
+                candidates, costs, prompt, decodes, lambda n: draft.seconds(n, k), self.verify_s
+            )
             if chosen:
                 self._priced_out = 0
                 return chosen
@@ -163,7 +167,7 @@ class Speculator:
                 return []
             # a probe keeps the acceptance measured while priced out: the likeliest one
             return [max(range(len(seqs)), key=lambda i: candidates[i].expected)]
-        return choose(candidates, costs, prompt, decodes)
+        return choose(candidates, costs, prompt, decodes, verify_s=self.verify_s)
 
     def _rate(self, seq: Sequence) -> float:
         state = self.state(seq)
@@ -202,9 +206,11 @@ class Speculator:
         batch.spec_slots = sum(len(s.spec_tokens) for s in batch.seqs)
 
     # ---- after the target ran -----------------------------------------------------------------
-    def settle(self, verdicts: list[Verdict]) -> None:
+    def settle(self, verdicts: list[Verdict], seconds: float) -> None:
         """Each verified sequence keeps the KV of its last token and its kept drafts: the
-        blocks past them go back, the prefix cache is offered only what was kept."""
+        blocks past them go back, the prefix cache is offered only what was kept. ``seconds``:
+        what the verification took (the policy's ``verify_s`` moves toward it)."""
+        self.verify_s += VERIFY_EMA * (seconds - self.verify_s)
         for v in verdicts:
             seq = v.seq
             state = self.state(seq)
