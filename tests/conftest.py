@@ -27,6 +27,8 @@ SLOW_MODULES = (
     "test_tp_cluster",
     "test_kv_routing",
     "test_compile",
+    "test_spec_engine",
+    "test_spec_e2e",
 )
 
 
