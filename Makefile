@@ -50,7 +50,7 @@ typecheck: $(STAMP)
 	  --config-file "$(CURDIR)/pyproject.toml" --python-executable "$(CURDIR)/$(PY)" $(TYPED)
 
 # Two pytest workers (pytest-xdist), each module's tests on one of them so a module's cluster
-# is started once: 569-619 s on this 2-core machine (README; 590 s in one process before TP).
+# is started once: 899-979 s on this 2-core machine today, 569-619 s this morning (README).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) typecheck
 	$(VENV)/bin/ruff check .
