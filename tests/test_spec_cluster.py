@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.decode.record import DecodeState
 from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.base import LayoutMismatchError, check_layouts
@@ -18,7 +17,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker.wire import kv_layout
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine
-from tests.test_worker_death import kill
+from tests.test_worker_death import kill_while_decoding, resume
 
 PROMPTS = {
     "a": [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
@@ -120,29 +119,9 @@ def test_a_stream_migrates_after_its_decode_worker_dies(alone, tiny_dir: Path, m
     prompt = PROMPTS["b"]
     try:
         cluster.submit("r", prompt, params)
-        while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
-            cluster.pump_round()
-        for _ in range(3):
-            cluster.pump_round()
-        [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
-        kill(cluster, dead)
-        cluster.pump()
-        so_far = [t for c in sorted(cluster.chunks(), key=lambda c: c.index) for t in c.token_ids]
+        so_far = kill_while_decoding(cluster)
         assert 0 < len(so_far) < 60
-        cluster.bus.gateway["gw"].clear()
-        resume = m.Generate(
-            request_id="r",
-            model="tiny",
-            prompt_token_ids=prompt,
-            sampling=params,
-            n=1,
-            stream_address="gw",
-            resume_choice=0,
-            resume_token_ids=so_far,
-        )
-        cluster.bus.queue.append(("coordinator", resume))
-        cluster.pump()
-        whole = so_far + cluster.tokens("r", start=len(so_far))[0]
+        whole = so_far + resume(cluster, "r", prompt, params, so_far)
         single = alone.generate([prompt], SamplingParams(**vars(params)))[0]
         assert whole == single.new_token_ids
         assert set(cluster.used_blocks().values()) == {0}

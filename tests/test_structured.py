@@ -11,7 +11,6 @@ import re
 import jsonschema_rs
 import pytest
 
-from pdserve.decode.record import DecodeState
 from pdserve.engine.grammar import GrammarCache, grammar_text
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kvtransfer.faults import FaultPlan
@@ -19,7 +18,7 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams
 from tests.cluster_util import Cluster
 from tests.engine_util import make_engine
-from tests.test_worker_death import kill
+from tests.test_worker_death import kill_while_decoding, resume
 
 SCHEMA = {
     "type": "object",
@@ -250,33 +249,9 @@ def test_migration_after_decode_death_still_validates(tiny_dir, tok) -> None:
     cluster = Cluster([make_engine(tiny_dir)], [make_engine(tiny_dir), make_engine(tiny_dir)])
     try:
         cluster.submit("r", prompt, spec)
-        while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
-            cluster.pump_round()
-        for _ in range(5):
-            cluster.pump_round()
-        [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
-        kill(cluster, dead)
-        cluster.pump()
-        chunks = sorted(
-            cluster.chunks(),
-            key=lambda c: c.index,
-        )
-        so_far = [t for c in chunks for t in c.token_ids]
+        so_far = kill_while_decoding(cluster, rounds=5)
         assert 0 < len(so_far) < 40
-        cluster.bus.gateway["gw"].clear()
-        resume = m.Generate(
-            request_id="r",
-            model="tiny",
-            prompt_token_ids=prompt,
-            sampling=spec,
-            n=1,
-            stream_address="gw",
-            resume_choice=0,
-            resume_token_ids=so_far,
-        )
-        cluster.bus.queue.append(("coordinator", resume))
-        cluster.pump()
-        whole = so_far + cluster.tokens("r", start=len(so_far))[0]
+        whole = so_far + resume(cluster, "r", prompt, spec, so_far)
         check_json(tok.decode(whole), LIST_SCHEMA)
         single = make_engine(tiny_dir).generate(
             [prompt], SamplingParams(max_tokens=120, temperature=0.0, structured=LIST_SPEC)

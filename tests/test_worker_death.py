@@ -31,6 +31,39 @@ def kill(cluster: Cluster, dead: str) -> None:
         worker.sender.close()
 
 
+def kill_while_decoding(cluster: Cluster, rounds: int = 3) -> list[int]:
+    """Pump until a decode worker runs the request, ``rounds`` more, then kill that worker;
+    the tokens the gateway got before its death, in index order."""
+    while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
+        cluster.pump_round()
+    for _ in range(rounds):
+        cluster.pump_round()
+    [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
+    kill(cluster, dead)
+    cluster.pump()
+    return [t for c in sorted(cluster.chunks(), key=lambda c: c.index) for t in c.token_ids]
+
+
+def resume(
+    cluster: Cluster, rid: str, prompt: list[int], spec: m.SamplingParams, so_far: list[int]
+) -> list[int]:
+    """What the gateway does: resume choice 0 after the tokens it has; the tokens after them."""
+    cluster.bus.gateway["gw"].clear()
+    resumed = m.Generate(
+        request_id=rid,
+        model="tiny",
+        prompt_token_ids=prompt,
+        sampling=spec,
+        n=1,
+        stream_address="gw",
+        resume_choice=0,
+        resume_token_ids=so_far,
+    )
+    cluster.bus.queue.append(("coordinator", resumed))
+    cluster.pump()
+    return cluster.tokens(rid, start=len(so_far))[0]  # no gap in token indices
+
+
 def make(tiny_dir, num_p: int, num_d: int) -> Cluster:
     return Cluster(
         [make_engine(tiny_dir) for _ in range(num_p)], [make_engine(tiny_dir) for _ in range(num_d)]
@@ -101,40 +134,11 @@ def test_resume_on_another_decode_worker_continues_exactly(tiny_dir) -> None:
         prompt = prompts(512, [12], seed=44)[0]
         spec = m.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         cluster.submit("r", prompt, spec)
-        while not any(w.keys_in(DecodeState.RUNNING) for w in cluster.workers.values()):
-            cluster.pump_round()
-        for _ in range(3):
-            cluster.pump_round()
-        [dead] = [wid for wid, w in cluster.workers.items() if w.keys_in(DecodeState.RUNNING)]
-        kill(cluster, dead)
-        cluster.pump()
+        so_far = kill_while_decoding(cluster)
         [error] = cluster.errors()
         assert (error.choice, error.retryable) == (0, True)
-        # what the gateway does: resume the choice after the tokens it has
-        chunks = sorted(
-            cluster.chunks(),
-            key=lambda c: c.index,
-        )
-        so_far = [t for c in chunks for t in c.token_ids]
         assert 0 < len(so_far) < 40
-        cluster.bus.gateway["gw"].clear()
-        cluster.bus.queue.append(
-            (
-                "coordinator",
-                m.Generate(
-                    request_id="r",
-                    model="tiny",
-                    prompt_token_ids=prompt,
-                    sampling=spec,
-                    n=1,
-                    stream_address="gw",
-                    resume_choice=0,
-                    resume_token_ids=so_far,
-                ),
-            )
-        )
-        cluster.pump()
-        rest = cluster.tokens("r", start=len(so_far))[0]  # no gap in token indices
+        rest = resume(cluster, "r", prompt, spec, so_far)
         assert so_far + rest == hf_greedy(tiny_dir, prompt, 40)
         assert set(cluster.used_blocks().values()) == {0}
     finally:
