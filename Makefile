@@ -38,7 +38,7 @@ lint: $(STAMP)
 # that mirrors the installed names.
 TYPED := -p pdserve.protocol -p pdserve.models -p pdserve.runtime -p pdserve.engine \
 	-p pdserve.kvtransfer -p pdserve.worker -p pdserve.prefill -p pdserve.decode \
-	-p pdserve.coordinator -p pdserve.gateway -p pdserve.launch -p pdserve.bench \
+	-p pdserve.coordinator -p pdserve.gateway -p pdserve.launch -p pdserve.bench -p pdserve.sim \
 	-m pdserve.fair_queue -m pdserve.envs
 TYPE_TREE := $(VENV)/typecheck
 typecheck: $(STAMP)

@@ -4,6 +4,10 @@
 and writes them as JSON (validated and bounded: a profile file is input like any other), and
 answers for sizes that were not measured. Torch-free, no I/O but ``load``/``save``.
 
+A profile may instead be derived, for hardware not measured here, from a model's shape and
+a device's figures by a roofline (sim/derive.py): its ``derived`` field then says how, with
+every efficiency factor (``is_derived``: what shows a profile marks a derived one so).
+
 A profile is of one worker as the planner counts them: a tensor-parallel group of
 ``tensor_parallel_size`` ranks (engine/tp/) is one worker, measured whole (a file without the
 field, as written before groups, is of one rank). The planner sizes each pool with the
@@ -41,7 +45,9 @@ MAX_TOKENS = 1 << 24  # prompt or context tokens in one point
 MAX_BATCH = 1 << 16
 MAX_SECONDS = 1e5
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-_DEVICE = re.compile(r"[a-z]+(:[0-9]{1,3})?")
+# "cpu", "cuda:0", and the devices a derived profile names ("h100", "l40s")
+_DEVICE = re.compile(r"[a-z][a-z0-9]{0,15}(:[0-9]{1,3})?")
+MAX_DERIVED_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class Profile:
     prefill: tuple[tuple[int, float], ...]  # (prompt_tokens, seconds for the whole prefill)
     decode: tuple[tuple[int, int, float], ...]  # (batch, context_tokens, seconds per step)
     tensor_parallel_size: int = 1  # ranks of the worker measured (a tensor-parallel group)
+    # "" when measured; else one line saying how it was derived ("roofline: h100 x8, ...")
+    derived: str = ""
 
     def __post_init__(self) -> None:
         _check_name(self.model, "model", _NAME)
@@ -65,6 +73,7 @@ class Profile:
         _check_int(self.block_size, "block_size", 1, 1 << 12)
         _check_int(self.kv_blocks, "kv_blocks", 1, 1 << 30)
         _check_int(self.tensor_parallel_size, "tensor_parallel_size", 1, MAX_TENSOR_PARALLEL_SIZE)
+        _check_derived(self.derived)
         _check_points(self.prefill, "prefill", 2, MAX_POINTS)
         _check_points(self.decode, "decode", 3, MAX_POINTS)
         tokens = [n for n, _ in self.prefill]
@@ -79,6 +88,11 @@ class Profile:
             _check_seconds(t, "decode")
         if len({(b, c) for b, c, _ in self.decode}) != len(self.decode):
             raise ValueError("profile decode: a (batch, context) point appears twice")
+
+    @property
+    def is_derived(self) -> bool:
+        """Whether the figures were derived (sim/derive.py) rather than measured."""
+        return bool(self.derived)
 
     # ---- answers --------------------------------------------------------------------------
     def prefill_seconds(self, prompt_tokens: int) -> float:
@@ -110,10 +124,13 @@ class Profile:
 
     # ---- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
+        """The JSON fields; ``derived`` only when the profile is derived (measured files stay as
+        they were written before the field)."""
         return {
             "version": VERSION,
             "model": self.model,
             "device": self.device,
+            **({"derived": self.derived} if self.derived else {}),
             "threads": self.threads,
             "tensor_parallel_size": self.tensor_parallel_size,
             "block_size": self.block_size,
@@ -129,8 +146,9 @@ class Profile:
             raise ValueError("a profile must be a JSON object")
         fields = {"version", *cls.__dataclass_fields__}
         unknown = sorted(set(data) - fields)
-        # a file written before profiles had a tensor-parallel size is of one rank
-        missing = sorted(fields - set(data) - {"tensor_parallel_size"})
+        # a file written before profiles had a tensor-parallel size is of one rank; one
+        # without ``derived`` was measured
+        missing = sorted(fields - set(data) - {"tensor_parallel_size", "derived"})
         if unknown or missing:
             raise ValueError(f"profile: unknown fields {unknown}, missing fields {missing}")
         if data["version"] != VERSION or isinstance(data["version"], bool):
@@ -145,6 +163,7 @@ class Profile:
             block_size=data["block_size"],
             kv_blocks=data["kv_blocks"],
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
+            derived=data.get("derived", ""),
             prefill=tuple(_tuple(p, "prefill", 2) for p in data["prefill"]),
             decode=tuple(_tuple(p, "decode", 3) for p in data["decode"]),
         )
@@ -231,6 +250,14 @@ def _check_name(value: Any, key: str, pattern: re.Pattern[str]) -> None:
 def _check_int(value: Any, key: str, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"profile {key}: {value!r} is not an integer in [{low}, {high}]")
+
+
+def _check_derived(value: Any) -> None:
+    if not isinstance(value, str) or len(value) > MAX_DERIVED_CHARS or not value.isprintable():
+        raise ValueError(
+            f"profile derived: one printable line of at most {MAX_DERIVED_CHARS} characters, "
+            f"got {str(value)[:40]!r}"
+        )
 
 
 def _check_seconds(value: Any, key: str) -> None:

@@ -157,6 +157,13 @@ COMMANDS: dict[str, Register] = {
         "add_profile_args",
         "run_profile",
     ),
+    "plan": _role(
+        "plan",
+        "the layout that serves a workload within its SLOs on the fewest devices (simulated)",
+        "pdserve.launch.plan",
+        "add_plan_args",
+        "run_plan",
+    ),
     "bench": _role(
         "bench",
         "TTFT/TPOT benchmark client for any OpenAI-compatible server",

@@ -1,0 +1,53 @@
+"""A worker's prefix cache as the simulator sees it: which prefixes (``SimRequest.prefixes``
+keys) it holds and how many of their tokens, least recently used first out.
+
+The real cache holds chained block hashes, so a conversation's turns share their blocks; here
+each key counts its own tokens, so a chain of turns counts its history more than once and is
+evicted a little early (the capacity is what the worker's free KV holds)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._held: OrderedDict[str, int] = OrderedDict()
+        self.tokens = 0  # summed over keys
+
+    def hit(self, prefixes: tuple[tuple[str, int], ...]) -> int:
+        """Tokens of the longest of ``prefixes`` held here, in whole blocks (a lookup, which
+        refreshes what it finds)."""
+        best = 0
+        for key, tokens in prefixes:
+            held = self._held.get(key)
+            if held is not None:
+                self._held.move_to_end(key)
+                best = max(best, min(held, tokens))
+        return best // self.block_size * self.block_size
+
+    def peek(self, prefixes: tuple[tuple[str, int], ...]) -> int:
+        """``hit`` without refreshing (what the coordinator's index knows)."""
+        best = 0
+        for key, tokens in prefixes:
+            held = self._held.get(key)
+            if held is not None:
+                best = max(best, min(held, tokens))
+        return best // self.block_size * self.block_size
+
+    def insert(self, key: str, tokens: int, capacity: int) -> None:
+        """Hold ``tokens`` of ``key`` (the most held so far), then evict down to
+        ``capacity`` tokens."""
+        held = self._held.pop(key, 0)
+        self.tokens -= held
+        tokens = max(held, tokens) // self.block_size * self.block_size
+        if tokens:
+            self._held[key] = tokens
+            self.tokens += tokens
+        self.trim(capacity)
+
+    def trim(self, capacity: int) -> None:
+        while self.tokens > max(0, capacity) and self._held:
+            _, tokens = self._held.popitem(last=False)
+            self.tokens -= tokens
