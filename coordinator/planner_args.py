@@ -6,11 +6,14 @@ none the planner goes by live signals alone for the pool whose workers run at it
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.coordinator.planner import Planner, PlannerConfig, Targets
 from pdserve.coordinator.profile import Profile, shipped_profile
+
+logger = logging.getLogger(__name__)
 
 
 def add_planner_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -89,6 +92,10 @@ def planner_factory(args: argparse.Namespace) -> Callable[[str], Planner]:
     profiles: dict[tuple[str, int], Profile] = {}  # by (model, tensor-parallel size)
     for path in args.profile:
         profile = Profile.load(path)
+        if profile.is_derived:  # said wherever a profile is shown
+            logger.warning(
+                "planner: profile %s is DERIVED, not measured: %s", path, profile.derived
+            )
         key = (profile.model, profile.tensor_parallel_size)
         if key in profiles:
             raise ValueError(

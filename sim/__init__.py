@@ -18,4 +18,6 @@ by ``pdserve profile``, or derived from a model's shape and a device's figures:
     cluster.py    the gateway's admission, the coordinator's placement, KV transfer links
     results.py    TTFT / TPOT / ITL percentiles and goodput of a run
     search.py     the layout search ``pdserve plan`` runs
+    calibrate.py  a profile scaled to a host's speed of the day (checking against real runs:
+                  bench/experiments/sim_validate.py)
 """

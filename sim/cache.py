@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pdserve.sim.seq import PromptJob
+
 
 class PrefixCache:
     def __init__(self, block_size: int) -> None:
@@ -51,3 +53,29 @@ class PrefixCache:
         while self.tokens > max(0, capacity) and self._held:
             _, tokens = self._held.popitem(last=False)
             self.tokens -= tokens
+
+
+def look_up(cache: PrefixCache, job: PromptJob) -> int:
+    """A prompt admitted by a worker's scheduler: what its cache holds of it now (the real
+    engine looks the prefix up at admission, not when the coordinator placed it) sets the
+    tokens it computes; the change in them. A recompute computes everything."""
+    if job.recompute or job.done:
+        return 0
+    req = job.seq.out.req
+    tokens = max(1, req.prompt_tokens - cache.hit(req.prefixes))
+    change = tokens - job.tokens
+    job.tokens = tokens
+    job.seq.out.computed = tokens
+    return change
+
+
+def offer(cache: PrefixCache, job: PromptJob, capacity: int) -> None:
+    """After a chunk: the prefixes the prompt's computed positions now cover enter the cache
+    (the real one caches each full block as it is computed)."""
+    if job.recompute:
+        return
+    req = job.seq.out.req
+    covered = req.prompt_tokens - job.tokens + job.done
+    for key, tokens in req.prefixes:
+        if tokens <= covered:
+            cache.insert(key, tokens, capacity)

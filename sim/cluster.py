@@ -157,24 +157,18 @@ class Cluster:
         if not pool:
             return False
         hits = {w.name: w.hit(req.prefixes) for w in pool}
-        candidates = [
-            Candidate(
-                w.name, hit_blocks=hits[w.name] // bs, free_blocks=w.free_blocks, running=w.streams
-            )
-            for w in pool
-        ]
-        known = self.config.prefix_cache and any(hits.values())
-        pick = self.policy.decode(need, candidates, self._last["decode"], cache_known=known)
-        self._last["decode"] = pick.worker_id
-        decode = next(w for w in pool if w.name == pick.worker_id)
-        cached = hits[decode.name]
-        local = (
-            not self.prefills
-            or self.local.reason(
-                req.prompt_tokens, cached, min(p.queued_tokens for p in self.prefills)
-            )
-            is not None
-        )
+        if not self.prefills:  # colocated: the least busy (Placement.pick_colocated)
+            decode = min(pool, key=lambda w: (w.queued_tokens + w.streams, -w.free_blocks))
+            local = True
+        else:
+            # the local rule reads the best decode hit in ``kv`` mode, none in the others
+            # (Placement.decode_hit_tokens), before a decode worker is picked
+            by_cache = self.policy.mode is RoutingMode.KV
+            best_hit = max(hits.values()) if by_cache else 0
+            queue = min(p.queued_tokens for p in self.prefills)
+            local = self.local.reason(req.prompt_tokens, best_hit, queue) is not None
+            decode = self._pick_decode(need, pool, hits)
+        cached = hits[decode.name]  # a worker reserves only what its own cache lacks
         now = self.loop.now
         if local:
             job = PromptJob(seq, max(1, req.prompt_tokens - cached), need, now)
@@ -190,6 +184,21 @@ class Cluster:
         self._targets[id(job)] = (decode, req.prompt_tokens - cached)
         self.loop.after(2 * self.config.hop_s, prefill.submit, job)
         return True
+
+    def _pick_decode(
+        self, need: int, pool: list[DecodeWorker], hits: dict[str, int]
+    ) -> DecodeWorker:
+        bs = self.block_size
+        candidates = [
+            Candidate(
+                w.name, hit_blocks=hits[w.name] // bs, free_blocks=w.free_blocks, running=w.streams
+            )
+            for w in pool
+        ]
+        known = self.config.prefix_cache and any(hits.values())
+        pick = self.policy.decode(need, candidates, self._last["decode"], cache_known=known)
+        self._last["decode"] = pick.worker_id
+        return next(w for w in pool if w.name == pick.worker_id)
 
     def _pick_prefill(self, req: SimRequest) -> PrefillWorker:
         bs = self.block_size

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pdserve.protocol.blocks import blocks_for
-from pdserve.sim.cache import PrefixCache
+from pdserve.sim.cache import PrefixCache, look_up, offer
 from pdserve.sim.config import SimConfig
 from pdserve.sim.events import EventLoop
 from pdserve.sim.seq import PromptJob, Seq
@@ -89,6 +89,12 @@ class DecodeWorker:
     @property
     def streams(self) -> int:
         return len(self.running) + len(self.ready) + self.reserved
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens it has still to compute (its own prompts and recomputes)."""
+        waiting = sum(job.remaining for _, _, _, job in self._waiting)
+        return waiting + sum(job.remaining for job in self.prompts)
 
     def hit(self, prefixes: tuple[tuple[str, int], ...]) -> int:
         if not self.config.prefix_cache:
@@ -182,6 +188,8 @@ class DecodeWorker:
                     return
                 self.used_blocks += job.blocks
             heapq.heappop(self._waiting)
+            if self.config.prefix_cache:
+                look_up(self.cache, job)
             job.since = self.loop.now
             self.prompts.append(job)
 
@@ -229,6 +237,8 @@ class DecodeWorker:
         for job, take in chunks:
             job.done += take
             job.since = self.loop.now
+            if self.config.prefix_cache:
+                offer(self.cache, job, self.free_blocks * self.bs)
             if job.remaining <= 0:
                 self.prompts.remove(job)
                 seq = job.seq

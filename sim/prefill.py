@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable
 
 from pdserve.protocol.blocks import blocks_for
-from pdserve.sim.cache import PrefixCache
+from pdserve.sim.cache import PrefixCache, look_up, offer
 from pdserve.sim.config import SimConfig
 from pdserve.sim.events import EventLoop
 from pdserve.sim.seq import PromptJob
@@ -82,6 +82,8 @@ class PrefillWorker:
             if self.used_blocks + job.blocks > self.total_blocks and self.active:
                 return  # the head waits for blocks; nothing jumps it
             heapq.heappop(self._waiting)
+            if self.use_cache:
+                self.queued_tokens += look_up(self.cache, job)
             self.used_blocks += job.blocks
             self.active.append(job)
             ahead += job.remaining
@@ -107,20 +109,19 @@ class PrefillWorker:
 
     def _end_step(self, chunks: list[tuple[PromptJob, int]]) -> None:
         finished = []
+        capacity = (self.total_blocks - self.used_blocks) * self.block_size
         for job, take in chunks:
             job.done += take
             self.queued_tokens -= take
+            if self.use_cache:
+                offer(self.cache, job, capacity)
             if job.remaining <= 0:
                 finished.append(job)
         for job in finished:
             self.active.remove(job)
             req = job.seq.out.req
-            if self.use_cache:
-                capacity = (self.total_blocks - self.used_blocks) * self.block_size
-                for key, tokens in req.prefixes:
-                    self.cache.insert(key, tokens, capacity)
-                if req.key is not None:
-                    self.cache.insert(req.key, req.prompt_tokens, capacity)
+            if self.use_cache and req.key is not None:
+                self.cache.insert(req.key, req.prompt_tokens, capacity)
             self.done(self, job)
         self._step()
 

@@ -28,8 +28,8 @@ from pdserve.sim.config import Layout, SimConfig
 from pdserve.sim.results import Outcome, Slo, summarize
 from pdserve.sim.workload import Workload
 
-SLICE_WORKERS = 64  # workers a simulated slice holds at most (estimated)
-SLICE_SMALLEST = 4  # workers of its smaller pool it holds at least (estimated), where it can
+SLICE_WORKERS = 128  # workers a simulated slice holds at most (estimated)
+SLICE_SMALLEST = 8  # workers of its smaller pool it holds at least (estimated), where it can
 PREFILL_BUSY = 0.8  # the estimate's prefill utilisation
 TARGET_SHARE = 0.9  # a colocated worker's --tpot-target-ms: this share of the TPOT SLO
 WARMUP = 0.2  # of the arrivals' span: requests arriving before are not counted

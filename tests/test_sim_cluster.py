@@ -199,3 +199,15 @@ def test_closed_loop_follow_sends_each_next_request_when_one_ends() -> None:
     assert len(run.outcomes) == 3 and all(o.done for o in run.outcomes)
     assert [o.req.arrival_s for o in run.outcomes[1:]] == sent[:2]
     assert run.outcomes[1].req.arrival_s == run.outcomes[0].t_last
+
+
+def test_a_prefix_is_looked_up_at_admission_and_cached_as_computed() -> None:
+    """Eight prompts sharing a 256-token system prompt sent together to one prefill worker whose
+    steps hold 128 tokens: the first computes it, the others find it when they are admitted
+    (the real engine looks a prefix up at admission and caches blocks as they are computed)."""
+    reqs = [SimRequest(0.0, 320, 2, prefixes=(("sys", 256),)) for _ in range(8)]
+    run = simulate(
+        Layout("disagg", 1, 1), config(max_num_batched_tokens=128), reqs, profile(), profile()
+    )
+    assert [o.computed for o in run.outcomes] == [320] + [64] * 7
+    assert all(o.done for o in run.outcomes)
