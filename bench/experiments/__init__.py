@@ -9,4 +9,5 @@
     soak.py                 a bounded run with faults: hung requests and leaked blocks
     tp_speed.py             tensor parallelism: TP 2 against one process (a 1B-shape model)
     spec_speed.py           speculative decoding: off, n-gram, an int4 draft; copy and chat
+    sim_validate.py         the simulator (sim/) replaying the committed runs (no server)
 """
