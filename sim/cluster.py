@@ -156,7 +156,10 @@ class Cluster:
         pool = [w for w in self.decodes if w.free_blocks >= need]
         if not pool:
             return False
-        hits = {w.name: w.hit(req.prefixes) for w in pool}
+        if req.prefixes:
+            hits = {w.name: w.hit(req.prefixes) for w in pool}
+        else:  # nothing to find
+            hits = dict.fromkeys((w.name for w in pool), 0)
         if not self.prefills:  # colocated: the least busy (Placement.pick_colocated)
             decode = min(pool, key=lambda w: (w.queued_tokens + w.streams, -w.free_blocks))
             local = True
@@ -202,7 +205,9 @@ class Cluster:
 
     def _pick_prefill(self, req: SimRequest) -> PrefillWorker:
         bs = self.block_size
-        by_cache = self.config.prefix_cache and self.policy.mode is RoutingMode.KV
+        by_cache = (
+            self.config.prefix_cache and self.policy.mode is RoutingMode.KV and bool(req.prefixes)
+        )
         candidates = [
             Candidate(
                 p.name,

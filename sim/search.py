@@ -17,7 +17,10 @@ p99 TPOT, every request served), simulated.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -245,10 +248,11 @@ def fewest(meets: Callable[[int], bool], start: int, limit: int) -> int | None:
     return hi
 
 
-def plan(q: Question) -> Answer:
-    """The layouts that meet the SLOs, fewest devices first (then the cheapest)."""
-    searcher = Searcher(q)
-    answer = Answer([])
+def plan(q: Question, processes: int | None = None) -> Answer:
+    """The layouts that meet the SLOs, fewest devices first (then the cheapest). Each (mode,
+    TP sizes) is searched apart, in ``processes`` processes (the CPUs here by default; 1: in
+    this one)."""
+    tasks = []
     tps = sorted(q.profiles)
     for mode in q.modes:
         combos = [(p, d) for p in (tps if mode == "disagg" else [0]) for d in tps]
@@ -257,15 +261,23 @@ def plan(q: Question) -> Answer:
             pre, dec = estimate(q, mode, combo[0] or combo[1], combo[1])
             return pre * combo[0] + dec * combo[1]
 
-        for pre_tp, dec_tp in sorted(combos, key=devices)[:KEEP]:
-            found = _search(searcher, mode, pre_tp, dec_tp)
-            if found is not None:
-                answer.best.append(found)
-            else:
-                answer.notes.append(
-                    f"{mode} TP {pre_tp or ''}{'/' if pre_tp else ''}{dec_tp}: no layout within "
-                    "the search's bounds meets the SLOs"
-                )
+        tasks += [(q, mode, p, d) for p, d in sorted(combos, key=devices)[:KEEP]]
+    workers = min(len(tasks), processes or os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            results = list(ex.map(_search_task, tasks))
+    else:
+        results = [_search_task(t) for t in tasks]
+    answer = Answer([])
+    for (_, mode, pre_tp, dec_tp), (found, sims) in zip(tasks, results, strict=True):
+        answer.tried += sims
+        if found is not None:
+            answer.best.append(found)
+        else:
+            answer.notes.append(
+                f"{mode} TP {pre_tp or ''}{'/' if pre_tp else ''}{dec_tp}: no layout within "
+                "the search's bounds meets the SLOs"
+            )
     answer.best.sort(key=lambda v: (v.layout.devices, v.cost_per_million_tokens or 0.0))
     if q.max_devices is not None:
         over = [v for v in answer.best if v.layout.devices > q.max_devices]
@@ -275,8 +287,14 @@ def plan(q: Question) -> Answer:
                 f"{len(over)} layout(s) meeting the SLOs need more than {q.max_devices} devices "
                 f"(the fewest: {min(v.layout.devices for v in over)})"
             )
-    answer.tried = searcher.sims
     return answer
+
+
+def _search_task(task: tuple[Question, str, int, int]) -> tuple[Verdict | None, int]:
+    """One (mode, TP sizes) searched: its best layout and the simulations it took."""
+    q, mode, pre_tp, dec_tp = task
+    searcher = Searcher(q)
+    return _search(searcher, mode, pre_tp, dec_tp), searcher.sims
 
 
 def _search(s: Searcher, mode: str, pre_tp: int, dec_tp: int) -> Verdict | None:
