@@ -27,9 +27,10 @@ BELOW: dict[str, set[str]] = {
     "decode": {"protocol", "runtime", "engine", "kvtransfer", "worker"},
     "coordinator": {"protocol", "runtime", "kvtransfer"},
     "gateway": {"protocol", "runtime", "engine"},
+    "sim": {"protocol", "coordinator"},  # the coordinator's own policies and profiles
 }
 TOP = {"launch", "bench"}  # entry points and tools: they may import any package
-TORCH_FREE = ["protocol", "runtime", "coordinator", "gateway"]  # at import time, transitively
+TORCH_FREE = ["protocol", "runtime", "coordinator", "gateway", "sim"]  # at import time, transitively
 # The gateway's HTTP app: endpoints, middleware, response bodies, the server. A sub-package of
 # the gateway is a concern the app uses, never one that uses the app.
 GATEWAY_APP = [
