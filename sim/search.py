@@ -42,7 +42,8 @@ MAX_SIMS = 400  # a bound on one search
 
 @dataclass(frozen=True)
 class Question:
-    """What ``plan`` answers: ``profiles`` by TP size (a worker's), the workload, the SLOs."""
+    """What ``plan`` answers: ``profiles`` by TP size (a worker's), the workload, the SLOs;
+    ``config.link`` is one device's (a TP group's is its ranks' together)."""
 
     workload: Workload
     slo: Slo
@@ -162,7 +163,9 @@ class Searcher:
             raise RuntimeError(f"plan: more than {MAX_SIMS} simulations; narrow the search")
         self.sims += 1
         q = self.q
-        config = q.config
+        # the question's link is a device's: a prefill group's ranks send their heads at once
+        link = replace(q.config.link, bandwidth=q.config.link.bandwidth * layout.prefill_tp)
+        config = replace(q.config, link=link)
         target = None
         if layout.mode == "colocated":
             target = q.slo.tpot_s * TARGET_SHARE
