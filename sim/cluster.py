@@ -19,7 +19,6 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.coordinator.policies import (
     AdmissionPolicy,
@@ -252,18 +251,3 @@ def simulate(
 ) -> Run:
     """Run ``requests`` through a cluster of ``layout`` (``follow``: ``Cluster.run``'s)."""
     return Cluster(layout, config, decode_profile, prefill_profile).run(requests, until, follow)
-
-
-def describe_workers(run: Run) -> dict[str, Any]:
-    """Each decode worker's mean step, mixed steps and streams a step (for reports)."""
-    table: dict[str, Any] = {}
-    for name, stats in run.workers.items():
-        steps = stats.get("steps", 0)
-        if steps:
-            table[name] = {
-                "mean_step_ms": 1e3 * stats["seconds"] / steps,
-                "mean_streams": stats["decode_seqs"] / steps,
-                "mixed_steps": stats["mixed"],
-                "preempted": stats["preempted"],
-            }
-    return table

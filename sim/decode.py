@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pdserve.protocol.blocks import blocks_for
 from pdserve.sim.cache import PrefixCache, look_up, offer
 from pdserve.sim.config import SimConfig
-from pdserve.sim.events import EventLoop
+from pdserve.sim.events import EventLoop, Waker
 from pdserve.sim.seq import PromptJob, Seq
 from pdserve.sim.steps import StepTimes
 
@@ -70,7 +70,7 @@ class DecodeWorker:
         self._step_no = 0
         self._order = itertools.count()
         self.busy = False
-        self._kicked = False
+        self._wake = Waker(loop, self._step, lambda: self.busy).wake
         self.stats = {
             "steps": 0,
             "seconds": 0.0,
@@ -122,18 +122,6 @@ class DecodeWorker:
         key = (not job.recompute, job.seq.tier, next(self._order), job)
         heapq.heappush(self._waiting, key)
         self._wake()
-
-    def _wake(self) -> None:
-        """Step once this moment's messages are all in (a worker drains its socket, then
-        steps)."""
-        if not self.busy and not self._kicked:
-            self._kicked = True
-            self.loop.after(0.0, self._kick)
-
-    def _kick(self) -> None:
-        self._kicked = False
-        if not self.busy:
-            self._step()
 
     # ---- one step -----------------------------------------------------------------------------
     def _held(self, seq: Seq, step: int) -> int:

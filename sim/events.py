@@ -38,3 +38,25 @@ class EventLoop:
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+
+class Waker:
+    """A worker's wake-up: ``wake()`` runs ``step`` once this moment's events are all in (a
+    worker drains its socket, then steps), unless ``busy()`` says a step is under way (its end
+    steps again)."""
+
+    def __init__(self, loop: EventLoop, step: Callable[[], None], busy: Callable[[], bool]):
+        self._loop = loop
+        self._step = step
+        self._busy = busy
+        self._pending = False
+
+    def wake(self) -> None:
+        if not self._busy() and not self._pending:
+            self._pending = True
+            self._loop.after(0.0, self._kick)
+
+    def _kick(self) -> None:
+        self._pending = False
+        if not self._busy():
+            self._step()

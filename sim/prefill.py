@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pdserve.protocol.blocks import blocks_for
 from pdserve.sim.cache import PrefixCache, look_up, offer
 from pdserve.sim.config import SimConfig
-from pdserve.sim.events import EventLoop
+from pdserve.sim.events import EventLoop, Waker
 from pdserve.sim.seq import PromptJob
 from pdserve.sim.steps import StepTimes
 
@@ -44,7 +44,7 @@ class PrefillWorker:
         self.active: list[PromptJob] = []
         self.queued_tokens = 0  # prompt tokens it has still to compute
         self.busy = False
-        self._kicked = False
+        self._wake = Waker(loop, self._step, lambda: self.busy).wake
         self.busy_s = 0.0
         self.link_free_at = 0.0  # its KV link's next free moment
 
@@ -61,17 +61,6 @@ class PrefillWorker:
         self.used_blocks -= blocks
         if self._waiting:
             self._wake()
-
-    def _wake(self) -> None:
-        """Step once this moment's messages are all in."""
-        if not self.busy and not self._kicked:
-            self._kicked = True
-            self.loop.after(0.0, self._kick)
-
-    def _kick(self) -> None:
-        self._kicked = False
-        if not self.busy:
-            self._step()
 
     def _admit(self) -> None:
         """Waiting prompts become active while blocks allow and the active ones leave room in
