@@ -30,7 +30,8 @@ BELOW: dict[str, set[str]] = {
     "sim": {"protocol", "coordinator"},  # the coordinator's own policies and profiles
 }
 TOP = {"launch", "bench"}  # entry points and tools: they may import any package
-TORCH_FREE = ["protocol", "runtime", "coordinator", "gateway", "sim"]  # at import time, transitively
+# at import time, transitively
+TORCH_FREE = ["protocol", "runtime", "coordinator", "gateway", "sim"]
 # The gateway's HTTP app: endpoints, middleware, response bodies, the server. A sub-package of
 # the gateway is a concern the app uses, never one that uses the app.
 GATEWAY_APP = [
