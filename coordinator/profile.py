@@ -173,14 +173,7 @@ class Profile:
         """Read a profile file; ``ValueError`` (naming the file) if it is not a valid one."""
         path = Path(path)
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
-        except OSError as e:
-            raise ValueError(f"profile {path}: {e.strerror or e}") from None
-        if len(raw) > MAX_FILE_BYTES:
-            raise ValueError(f"profile {path}: larger than {MAX_FILE_BYTES} bytes")
-        try:
-            return cls.from_json(json.loads(raw.decode("utf-8")))
+            return cls.from_json(json.loads(read_bounded(path, MAX_FILE_BYTES).decode("utf-8")))
         except (UnicodeDecodeError, RecursionError, ValueError) as e:
             raise ValueError(f"profile {path}: {e}") from None
 
@@ -192,6 +185,19 @@ class Profile:
             points = ",\n  ".join(json.dumps(p) for p in getattr(self, key))
             fields[i] = f' "{key}": [\n  {points}\n ]'
         Path(path).write_text("{\n" + ",\n".join(fields) + "\n}\n", encoding="utf-8")
+
+
+def read_bounded(path: str | Path, max_bytes: int) -> bytes:
+    """A file's bytes, at most ``max_bytes`` of them; ``ValueError`` (not naming the file: the
+    caller does) when it cannot be read or is larger."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    return raw
 
 
 def shipped_profile(model: str) -> Profile | None:

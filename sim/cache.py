@@ -13,34 +13,35 @@ from pdserve.sim.seq import PromptJob
 
 
 class PrefixCache:
-    def __init__(self, block_size: int) -> None:
+    """``enabled`` False (``--no-enable-prefix-caching``): it holds nothing, so finds nothing."""
+
+    def __init__(self, block_size: int, enabled: bool = True) -> None:
         self.block_size = block_size
+        self.enabled = enabled
         self._held: OrderedDict[str, int] = OrderedDict()
         self.tokens = 0  # summed over keys
 
-    def hit(self, prefixes: tuple[tuple[str, int], ...]) -> int:
-        """Tokens of the longest of ``prefixes`` held here, in whole blocks (a lookup, which
-        refreshes what it finds)."""
+    def peek(self, prefixes: tuple[tuple[str, int], ...], refresh: bool = False) -> int:
+        """Tokens of the longest of ``prefixes`` held here, in whole blocks (what the
+        coordinator's index knows); ``refresh``: a lookup, which refreshes what it finds."""
         best = 0
         for key, tokens in prefixes:
             held = self._held.get(key)
             if held is not None:
-                self._held.move_to_end(key)
+                if refresh:
+                    self._held.move_to_end(key)
                 best = max(best, min(held, tokens))
         return best // self.block_size * self.block_size
 
-    def peek(self, prefixes: tuple[tuple[str, int], ...]) -> int:
-        """``hit`` without refreshing (what the coordinator's index knows)."""
-        best = 0
-        for key, tokens in prefixes:
-            held = self._held.get(key)
-            if held is not None:
-                best = max(best, min(held, tokens))
-        return best // self.block_size * self.block_size
+    def hit(self, prefixes: tuple[tuple[str, int], ...]) -> int:
+        """``peek`` as a worker's lookup does it, refreshing what it finds."""
+        return self.peek(prefixes, refresh=True)
 
     def insert(self, key: str, tokens: int, capacity: int) -> None:
         """Hold ``tokens`` of ``key`` (the most held so far), then evict down to
         ``capacity`` tokens."""
+        if not self.enabled:
+            return
         held = self._held.pop(key, 0)
         self.tokens -= held
         tokens = max(held, tokens) // self.block_size * self.block_size

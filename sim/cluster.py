@@ -69,6 +69,7 @@ class Cluster:
             DecodeWorker(f"decode-{i}", self.loop, dtimes, config, self._freed, self._finished)
             for i in range(layout.decode)
         ]
+        self._largest_decode_blocks = dtimes.profile.kv_blocks  # every decode worker's
         self.prefills: list[PrefillWorker] = []
         if layout.mode == "disagg":
             if prefill_profile is None:
@@ -130,8 +131,9 @@ class Cluster:
     # ---- the coordinator ----------------------------------------------------------------------
     def _arrive(self, seq: Seq) -> None:
         req = seq.out.req
-        largest = max(w.total_blocks for w in self.decodes)
-        why = self.admission.too_big(req.prompt_tokens, 0, 0, largest, self.block_size)
+        why = self.admission.too_big(
+            req.prompt_tokens, 0, 0, self._largest_decode_blocks, self.block_size
+        )
         if why is not None:
             seq.out.failed = why
             self._ended(seq.out)

@@ -57,7 +57,7 @@ class DecodeWorker:
         self.used_blocks = 0  # running streams, prompts, reservations
         self.budget = times.budget_tokens(config.max_num_batched_tokens, config.max_step_time_s)
         self.target = times.tpot_target(config.tpot_target_s)
-        self.cache = PrefixCache(self.bs)
+        self.cache = PrefixCache(self.bs, config.prefix_cache)
         self.ready: deque[Seq] = deque()
         self._joining: list[Seq] = []  # prompts done last step: they decode from this one
         self.reserved = 0  # streams whose KV is on its way
@@ -75,7 +75,6 @@ class DecodeWorker:
             "steps": 0,
             "seconds": 0.0,
             "mixed": 0,
-            "mixed_seconds": 0.0,
             "decode_seqs": 0,
             "prompt_tokens": 0,
             "preempted": 0,
@@ -97,8 +96,6 @@ class DecodeWorker:
         return waiting + sum(job.remaining for job in self.prompts)
 
     def hit(self, prefixes: tuple[tuple[str, int], ...]) -> int:
-        if not self.config.prefix_cache:
-            return 0
         self.cache.trim(self.free_blocks * self.bs)
         return self.cache.peek(prefixes)
 
@@ -163,7 +160,6 @@ class DecodeWorker:
         stats["prompt_tokens"] += tokens
         if tokens and batch:
             stats["mixed"] += 1
-            stats["mixed_seconds"] += seconds
         self.loop.after(seconds, self._end_step, chunks, batch)
 
     def _activate(self, slots: int) -> None:
@@ -176,8 +172,7 @@ class DecodeWorker:
                     return
                 self.used_blocks += job.blocks
             heapq.heappop(self._waiting)
-            if self.config.prefix_cache:
-                look_up(self.cache, job)
+            look_up(self.cache, job)
             job.since = self.loop.now
             self.prompts.append(job)
 
@@ -219,14 +214,13 @@ class DecodeWorker:
         ends = self._ends
         while ends and ends[0][0] <= s:
             _, _, epoch, seq = heapq.heappop(ends)
-            if epoch == seq.epoch and seq in self.running:
+            if epoch == seq.epoch:  # else it left the batch since (a later entry is its own)
                 self._finish(seq, s, t)
                 freed = True
         for job, take in chunks:
             job.done += take
             job.since = self.loop.now
-            if self.config.prefix_cache:
-                offer(self.cache, job, self.free_blocks * self.bs)
+            offer(self.cache, job, self.free_blocks * self.bs)
             if job.remaining <= 0:
                 self.prompts.remove(job)
                 seq = job.seq
@@ -298,8 +292,6 @@ class DecodeWorker:
         self._queue(job)
 
     def _cache(self, seq: Seq) -> None:
-        if not self.config.prefix_cache:
-            return
         req = seq.out.req
         capacity = self.free_blocks * self.bs
         for key, tokens in req.prefixes:

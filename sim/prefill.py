@@ -37,8 +37,7 @@ class PrefillWorker:
         self.total_blocks = times.profile.kv_blocks
         self.used_blocks = 0
         self.budget = times.budget_tokens(config.max_num_batched_tokens, config.max_step_time_s)
-        self.cache = PrefixCache(self.block_size)
-        self.use_cache = config.prefix_cache
+        self.cache = PrefixCache(self.block_size, config.prefix_cache)
         self._waiting: list[tuple[int, int, PromptJob]] = []  # (tier, order, job)
         self._order = itertools.count()
         self.active: list[PromptJob] = []
@@ -49,7 +48,7 @@ class PrefillWorker:
         self.link_free_at = 0.0  # its KV link's next free moment
 
     def hit(self, prefixes: tuple[tuple[str, int], ...]) -> int:
-        return self.cache.peek(prefixes) if self.use_cache else 0
+        return self.cache.peek(prefixes)
 
     def submit(self, job: PromptJob) -> None:
         heapq.heappush(self._waiting, (job.seq.tier, next(self._order), job))
@@ -71,8 +70,7 @@ class PrefillWorker:
             if self.used_blocks + job.blocks > self.total_blocks and self.active:
                 return  # the head waits for blocks; nothing jumps it
             heapq.heappop(self._waiting)
-            if self.use_cache:
-                self.queued_tokens += look_up(self.cache, job)
+            self.queued_tokens += look_up(self.cache, job)
             self.used_blocks += job.blocks
             self.active.append(job)
             ahead += job.remaining
@@ -102,14 +100,13 @@ class PrefillWorker:
         for job, take in chunks:
             job.done += take
             self.queued_tokens -= take
-            if self.use_cache:
-                offer(self.cache, job, capacity)
+            offer(self.cache, job, capacity)
             if job.remaining <= 0:
                 finished.append(job)
         for job in finished:
             self.active.remove(job)
             req = job.seq.out.req
-            if self.use_cache and req.key is not None:
+            if req.key is not None:
                 self.cache.insert(req.key, req.prompt_tokens, capacity)
             self.done(self, job)
         self._step()

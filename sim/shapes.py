@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.coordinator.profile import read_bounded
+
 # bytes a weight: int4 is 4 bits plus, per group of 128 weights, a 16-bit scale and zero point
 WEIGHT_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.53125}
 KV_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
@@ -214,12 +216,9 @@ def shape_from_config(
     file = path / "config.json" if path.is_dir() else path
     where = str(file)
     try:
-        with open(file, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"{where}: {e.strerror or e}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes")
+        raw = read_bounded(file, MAX_CONFIG_BYTES)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     try:
         config = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, RecursionError, ValueError) as e:

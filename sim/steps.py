@@ -30,11 +30,8 @@ class StepTimes:
         self.profile = profile
         self.block_size = profile.block_size
         self._lone = profile.decode_step_seconds(1, 0)
-        self.prefill = functools.lru_cache(maxsize=1 << 16)(self._prefill)
+        self.prefill = functools.lru_cache(maxsize=1 << 16)(profile.prefill_seconds)
         self._decode = functools.lru_cache(maxsize=1 << 16)(self._decode_at)
-
-    def _prefill(self, tokens: int) -> float:
-        return self.profile.prefill_seconds(tokens)
 
     def _decode_at(self, batch: int, context_blocks: int) -> float:
         return self.profile.decode_step_seconds(batch, context_blocks * self.block_size)
