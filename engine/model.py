@@ -47,7 +47,8 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qk_size = q_size + kv_size
+        self.qk_v_heads = (cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads)
+        self.q_k_heads = (cfg.num_heads, cfg.num_kv_heads)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -55,6 +56,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         # a tensor-parallel rank's sum of every rank's o_proj output (engine/tp/), in place
         self.reduce: Callable[[torch.Tensor], None] | None = None
+        self.native_rope = True  # one C call on CPU float32 (CausalLM.use_native_rope)
 
     def forward(
         self,
@@ -63,14 +65,16 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
-        t, h = qkv.shape[0], self.num_heads
-        qk = qkv[:, : self.qk_size].view(t, -1, self.head_dim)  # [T, H + KV, D]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # [T, H + 2 * KV, D]
+        # views, strided when T > 1 (split_with_sizes: one op where slicing took seven, ~5 us)
+        qk, v = qkv.split_with_sizes(self.qk_v_heads, dim=1)  # [T, H + KV, D], [T, KV, D]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rotary(qk, *rope)  # query and key heads at once
-        q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KV, D]: views, strided when T > 1
-        v = qkv[:, self.qk_size :].view(t, -1, self.head_dim)  # [T, KV, D]
+            q, k = qk.split_with_sizes(self.q_k_heads, dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # query and key heads at once; on CPU float32 in place, in qkv (or cat's output)
+        qk = apply_rotary(qk, *rope, native=self.native_rope)
+        q, k = qk.split_with_sizes(self.q_k_heads, dim=1)  # [T, H, D], [T, KV, D]
         if not backend.strided_inputs:
             q, k = q.contiguous(), k.contiguous()
         out = backend.forward(q, k, v, kv_cache, self.scale)  # [T, H, D]
@@ -178,6 +182,12 @@ class CausalLM(nn.Module):
         if self.gather_vocab is not None:
             logits = self.gather_vocab(logits)
         return logits.float()
+
+    def use_native_rope(self, on: bool) -> None:
+        """Rope through engine/cpu_rope.py's C call where it takes the tensors (the default),
+        or as torch ops alone (the reference a benchmark compares with; the same bits)."""
+        for layer in self.decoder_layers():
+            layer.self_attn.native_rope = on
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """``layers``, typed."""

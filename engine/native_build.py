@@ -31,7 +31,12 @@ def find_compiler() -> str | None:
 
 
 def open_library(
-    source: Path, compiler: str | None, cache_dir: Path, log: logging.Logger, what: str
+    source: Path,
+    compiler: str | None,
+    cache_dir: Path,
+    log: logging.Logger,
+    what: str,
+    flags: tuple[str, ...] = FLAGS,
 ) -> ctypes.CDLL | None:
     """``source`` built (or found cached) and loaded; None, said on ``log``, when there is no
     compiler or the build or load fails, so that ``what`` runs through torch instead."""
@@ -39,7 +44,7 @@ def open_library(
         log.info("no C compiler (%s): %s through torch", "/".join(COMPILERS), what)
         return None
     try:
-        return ctypes.CDLL(str(build(source, compiler, cache_dir)))
+        return ctypes.CDLL(str(build(source, compiler, cache_dir, flags)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("%s kernel unavailable, through torch instead: %s", what, exc)
         return None

@@ -13,6 +13,7 @@ import math
 import torch
 
 from pdserve.engine.config import RopeConfig
+from pdserve.engine.cpu_rope import rotate_in_place
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -67,9 +68,14 @@ class RotaryEmbedding(torch.nn.Module):
         )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, native: bool = True
+) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin``. x: [T, heads, D]; cos/sin_signed: [T, 1, D].
 
     ``rotate_half(x) = cat(-x2, x1)`` equals ``roll(x, D/2) = cat(x2, x1)`` with the sign moved
-    into ``sin_signed``."""
+    into ``sin_signed``. On CPU float32 (with ``native``) one C call writes the result over x
+    and returns it, the same bits (engine/cpu_rope.py); otherwise a new tensor."""
+    if native and rotate_in_place(x, cos, sin_signed):
+        return x
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)

@@ -58,7 +58,9 @@ def rounding(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def engine(path, method: str) -> LLMEngine:
     """The tiny model in ``method`` ("none": float32); its float layers stay nn.Linear (no
-    oneDNN packing), so hooks and weights can be reached; no start-up step timing."""
+    oneDNN packing), so hooks and weights can be reached; no start-up step timing. The
+    quantized layers on float32 activations: the bounds here are the weights' error alone
+    (int8 activations: tests/test_qdot.py)."""
     quantization, group = METHODS.get(method, ("none", 32))
     return LLMEngine(
         EngineConfig(
@@ -67,6 +69,7 @@ def engine(path, method: str) -> LLMEngine:
             cpu_linear="torch",
             quantization=quantization,
             quant_group_size=group,
+            quant_activations="float32",
             cache=CacheConfig(block_size=16, num_blocks=64, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_step_time_s=0),
         )
@@ -91,11 +94,14 @@ def float_weight(model: nn.Module, name: str) -> torch.Tensor:
 
 @contextmanager
 def recording(model: nn.Module, names: list[str]) -> Iterator[dict[str, tuple]]:
-    """Each named module's last (input, output) while the block runs."""
+    """Each named module's last (input, output) while the block runs: copies, since the step
+    goes on to change some in place (rope rotates the q/k part of qkv_proj's output)."""
     seen: dict[str, tuple] = {}
     hooks = [
         model.get_submodule(n).register_forward_hook(
-            lambda _m, args, out, n=n: seen.__setitem__(n, (args[0].detach(), out.detach()))
+            lambda _m, args, out, n=n: seen.__setitem__(
+                n, (args[0].detach().clone(), out.detach().clone())
+            )
         )
         for n in names
     ]
