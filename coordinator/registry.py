@@ -32,7 +32,14 @@ logger = logging.getLogger(__name__)
 
 # what only the worker itself may say: checked against the key that registered its id
 WORKER_MESSAGES = (Heartbeat, m.Reserved, m.Finished, KVEvents)
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,  # --kv-cache-dtype int8: the layout's head_dim counts a row's scale bytes too
+}
 MAX_KV_BYTES = 64 << 40  # one worker's KV cache: more than any node holds (64 TiB)
 MAX_LAYOUT = {"block_size": 4096, "num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096}
 MAX_MODEL_LEN = 1 << 24

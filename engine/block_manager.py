@@ -3,6 +3,7 @@ a prefix cache) and the storage its block ids index (``KVCache``: one tensor per
 from a memory budget)::
 
     layers[l]: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (see attention/base.py)
+    --kv-cache-dtype int8: int8 [..., head_dim + 4], a float32 scale per row (attention/kv_quant.py)
     block b of a sequence's block_table: layers[l][b] for every layer l, K then V
 
 Every full block gets a chained hash ``h_i = H(h_{i-1}, tokens of block i)``, so equal hashes
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pdserve.engine.attention.kv_quant import row_width
 from pdserve.engine.config import CacheConfig, ConfigError, ModelConfig
 from pdserve.engine.kv_memory import lazily_zeroed, machine_memory, share_budget
 from pdserve.protocol.blocks import blocks_for, full_blocks
@@ -284,9 +286,17 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.all_layers)
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    def storage_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+        """What the layers hold: the model's ``dtype``, or int8 rows with their scales."""
+        return torch.int8 if kv_cache_dtype == "int8" else dtype
+
+    @classmethod
+    def bytes_per_block(
+        cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> int:
+        itemsize = cls.storage_dtype(dtype, kv_cache_dtype).itemsize
+        width = row_width(cfg.head_dim, kv_cache_dtype)
+        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * width * itemsize
 
     @classmethod
     def num_blocks_for(
@@ -303,9 +313,9 @@ class KVCache:
         model's KV shares the budget: a block holds both."""
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = cls.bytes_per_block(cfg, cache.block_size, dtype)
+        per_block = cls.bytes_per_block(cfg, cache.block_size, dtype, cache.kv_cache_dtype)
         if draft is not None:
-            per_block += cls.bytes_per_block(draft, cache.block_size, dtype)
+            per_block += cls.bytes_per_block(draft, cache.block_size, dtype, cache.kv_cache_dtype)
         budget = cls.budget(cache, device)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -349,10 +359,17 @@ class KVCache:
     ) -> KVCache:
         """``cfg``'s cache of ``num_blocks`` blocks (default: as ``num_blocks_for`` sizes it,
         leaving a ``draft`` model's KV its share)."""
+        if cache.kv_cache_dtype == "int8" and device.type != "cpu":
+            # flashinfer, CUDA graphs and the GPU transports read the model's dtype only
+            raise ConfigError(f"int8 KV cache is CPU-only for now (device {device})")
         n = num_blocks or cls.num_blocks_for(cfg, cache, dtype, device, draft)
-        shape = (n, 2, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        width = row_width(cfg.head_dim, cache.kv_cache_dtype)
+        shape = (n, 2, cache.block_size, cfg.num_kv_heads, width)
+        kv_dtype = cls.storage_dtype(dtype, cache.kv_cache_dtype)
         if device.type == "cpu":  # zero pages, taken as blocks are first written
-            layers = [lazily_zeroed(shape, dtype) for _ in range(cfg.num_layers)]
+            layers = [lazily_zeroed(shape, kv_dtype) for _ in range(cfg.num_layers)]
         else:
-            layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+            layers = [
+                torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)
+            ]
         return cls(layers, cache.block_size)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from pdserve.engine.config import (
+    KV_CACHE_DTYPES,
+    QUANT_ACTIVATIONS,
     QUANTIZATIONS,
     SPEC_SWITCHES,
     SPECULATIVE_MODES,
@@ -41,6 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(a scale and minimum per --quant-group-size weights), quantized at load",
     )
     g.add_argument(
+        "--quant-activations",
+        default="auto",
+        choices=list(QUANT_ACTIVATIONS),
+        help="quantized layers on a CPU: int8 (activations quantized per 32 values, integer dot "
+        "products: VNNI or AVX2), float32 (weights dequantized, float activations); auto: int8 "
+        "where the kernel builds",
+    )
+    g.add_argument(
         "--quant-group-size",
         type=int,
         default=32,
@@ -62,6 +72,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on a CPU with no --kv-cache-memory: this fraction of the machine's memory "
         "(default: 0.4 for a decode or colocated worker, 0.1 for a prefill worker; "
         "pdserve serve splits it between the workers of a role)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="the KV cache's form: auto (the model's dtype) or int8 (a float32 scale per token "
+        "and head: ~3.8x the tokens of float32 in the same memory; CPU only). Prefill and "
+        "decode workers must use the same",
     )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -212,6 +230,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile=args.compile,
         quantization=args.quantization,
         quant_group_size=args.quant_group_size,
+        quant_activations=args.quant_activations,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_rendezvous=args.tp_rendezvous,
         tp_timeout_s=args.tp_timeout,
@@ -225,6 +244,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             cpu_memory_share=args.kv_cache_share or CacheConfig.cpu_memory_share,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -18,6 +18,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANT_ACTIVATIONS = ("auto", "float32", "int8")
+# auto: the model's dtype; int8: rows of int8 values and a scale (engine/attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class ConfigError(ValueError):
@@ -165,8 +168,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # on a CPU with neither set: this share of the machine's memory (engine/kv_memory.py)
     cpu_memory_share: float = DEFAULT_SHARE
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be {' or '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -290,6 +299,8 @@ class EngineConfig:
     # auto | none | int8 | int4: the linear layers' weights (engine/loader.py, engine/quant/)
     quantization: str = "auto"
     quant_group_size: int = 32  # int4: weights per scale and minimum
+    # auto | float32 | int8: quantized layers' activations on a CPU (engine/quant/qdot.py)
+    quant_activations: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # tensor parallelism (engine/tp/): ranks in the group; where they meet ("": rank 0 starts
@@ -315,6 +326,11 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization must be {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise ConfigError(
+                f"quant_activations must be {', '.join(QUANT_ACTIVATIONS)}, "
+                f"got {self.quant_activations!r}"
+            )
         if self.quant_group_size < 32 or self.quant_group_size % 32:
             raise ConfigError(
                 f"quant_group_size must be a positive multiple of 32, got {self.quant_group_size}"
@@ -323,6 +339,13 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.compile:
             raise ConfigError("--compile does not run in a tensor-parallel group yet")
+        if self.cache.kv_cache_dtype == "int8":
+            if not self.device.startswith("cpu"):
+                raise ConfigError(f"int8 KV cache is CPU-only for now (device {self.device!r})")
+            if self.compile or self.tensor_parallel_size > 1:
+                raise ConfigError(
+                    "int8 KV cache does not run with --compile or in a tensor-parallel group yet"
+                )
         if self.speculative.mode == "draft" and self.tensor_parallel_size > 1:
             raise ConfigError("--speculative draft does not run in a tensor-parallel group yet")
         if not self.tp_timeout_s > 0:

@@ -5,7 +5,8 @@ default it takes a good part of the machine; a prefill worker's only holds promp
 are sent, and a prefix cache::
 
     role              share of the machine's memory (physical, or its cgroup's limit if lower)
-    decode, both      40%   (24 GiB: 9.6 GiB, 26 full 8,192-token SmolLM2 contexts in float32)
+    decode, both      40%   (24 GiB: 9.6 GiB, 26 full 8,192-token SmolLM2 contexts in float32,
+                             102 with --kv-cache-dtype int8: 68 bytes a row of 64 values)
     prefill           10%
 
 ``pdserve serve`` splits a role's share between the workers of that role it starts

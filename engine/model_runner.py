@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from pdserve.engine.attention import AttentionMetadata, make_backend
 from pdserve.engine.block_manager import KVCache
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_model
+from pdserve.engine.quant.activations import set_activations
 from pdserve.engine.scheduler import Sequence
 
 if TYPE_CHECKING:  # imported when used: --compile, CUDA and tensor parallelism only
@@ -149,6 +151,9 @@ class ModelRunner:
         )
         self.dtype = next(self.model.parameters()).dtype
         self.linear = self._pack_linears(config.cpu_linear)
+        acts = set_activations(self.model, config.quant_activations)
+        if acts:
+            self.linear += f", quantized layers on {acts} activations"
         if group is not None and layout is not None:
             from pdserve.engine.tp.runner import group_cache, wire_model
 
@@ -176,7 +181,7 @@ class ModelRunner:
             )
         kv_tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
         logger.info(
-            "model %s (%s, %s, weights %s: %.1f MiB) on %s; KV cache %d blocks x %d tokens "
+            "model %s (%s, %s, weights %s: %.1f MiB) on %s; KV cache (%s) %d blocks x %d tokens "
             "= %d tokens (%.1f MiB, %s: %.1f sequences of the full %d-token context), "
             "backend %s, linear %s%s",
             config.model,
@@ -185,6 +190,7 @@ class ModelRunner:
             self.model.quantization,
             weight_bytes(self.model) / 2**20,
             self.device,
+            str(self.kv_cache.layers[0].dtype).removeprefix("torch."),
             self.kv_cache.num_blocks,
             self.kv_cache.block_size,
             kv_tokens,
@@ -196,6 +202,16 @@ class ModelRunner:
             self.linear,
             "" if layout is None else f", tensor-parallel rank {layout.rank} of {layout.size}",
         )
+
+    def kernel_threads(self, threads: Callable[[], int]) -> None:
+        """The quantized layers ask ``threads`` how many threads to use before each call
+        (engine/core_board.py: the cores other workers leave idle); their results do not
+        depend on it."""
+        from pdserve.engine.quant.linear import QuantLinear
+
+        for module in self.model.modules():
+            if isinstance(module, QuantLinear):
+                module.threads = threads
 
     def staging_if_group(self) -> KVStaging | None:
         """``staging``, as a callable (what the engine's parts hold)."""

@@ -78,8 +78,12 @@ def check_layouts(a: KVLayout, b: KVLayout, names: tuple[str, str] = ("a", "b"))
         if getattr(a, f.name) != getattr(b, f.name)
     ]
     if diffs:
+        hint = ""
+        if a.dtype != b.dtype and "int8" in (a.dtype, b.dtype):
+            # an int8 cache's head_dim is its row's bytes: the values, then a float32 scale
+            hint = " (one has an int8 KV cache: pass the same --kv-cache-dtype to every worker)"
         raise LayoutMismatchError(
-            f"KV layouts of {names[0]} and {names[1]} differ: {', '.join(diffs)}"
+            f"KV layouts of {names[0]} and {names[1]} differ: {', '.join(diffs)}{hint}"
         )
 
 

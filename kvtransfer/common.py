@@ -6,6 +6,9 @@ Per layer, a transfer moves one contiguous buffer::
     kv_layers[l]                    [num_blocks, 2, block_size, num_kv_heads, head_dim]
     gather(kv_layers, src_ids)[l]   [len(src_ids), 2, block_size, num_kv_heads, head_dim]
     scatter: kv_layers[l][dst_ids[i]] = buffer[l][i]
+
+Blocks move as they are stored: an int8 cache's (``--kv-cache-dtype int8``) rows are head_dim
+int8 values and a float32 scale, so its layout says dtype int8, head_dim D + 4 (a row's bytes).
 """
 
 from __future__ import annotations

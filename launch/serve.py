@@ -79,6 +79,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(the prompt's prefill included): raise it for prompts that take longer here",
     )
     g.add_argument("--pin", action="store_true", help="pin each worker to its own cores")
+    g.add_argument(
+        "--no-lend-cores",
+        dest="lend_cores",
+        action="store_false",
+        help="keep each worker to its own threads (by default a worker's quantized layers also "
+        "run on the cores of workers idle at the moment: engine/core_board.py)",
+    )
     add_serve_api_args(g)
     g.add_argument("--ready-timeout", type=float, default=120.0, help="seconds")
     g.add_argument(
@@ -151,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
     keys = launch_keys(run_dir, identities(args), args.insecure)
+    args.core_board = run_dir / "cores" if args.lend_cores and not args.pin else None
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())

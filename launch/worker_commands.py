@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from pdserve.engine.core_board import SLOTS as BOARD_SLOTS
 from pdserve.engine.kv_memory import ROLE_SHARES
 from pdserve.launch.serve_api import served_name
 
@@ -21,10 +22,12 @@ FORWARDED_ENGINE_FLAGS = (
     "cpu_linear",
     "quantization",
     "quant_group_size",
+    "quant_activations",
     "max_model_len",
     "block_size",
     "num_kv_blocks",
     "kv_cache_memory",
+    "kv_cache_dtype",
     "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",
@@ -91,6 +94,8 @@ def worker_command(
             common.append(f"--{switch.replace('_', '-')}")
     colocated = ["--colocated"] if args.mode == "colocated" else []
     cmd = [*pdserve_command(), role, *colocated, *common, f"--worker-id={worker_id}"]
+    if getattr(args, "core_board", None) and slot < BOARD_SLOTS:  # idle workers lend cores
+        cmd += [f"--core-board={args.core_board}", f"--core-slot={slot}"]
     if role == "prefill" and args.kv_fault:
         cmd.append(f"--kv-fault={args.kv_fault}")
     if role == "prefill" and args.kv_stream_chunks:

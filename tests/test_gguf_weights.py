@@ -133,7 +133,7 @@ def test_without_the_float_file_none_dequantizes_the_gguf(pulled, tmp_path) -> N
 
 def last_logits(path: Path, quantization: str, batch: list[list[int]]) -> torch.Tensor:
     """An engine's prefill logits of each prompt's last token, its weights as asked."""
-    engine = make_engine(path, quantization=quantization)
+    engine = make_engine(path, quantization=quantization, quant_activations="float32")
     assert engine.runner.model.quantization == {"auto": "gguf Q4_1+Q8_0"}.get(quantization, "none")
     seqs = [Sequence(f"r{i}", p, greedy(1)) for i, p in enumerate(batch)]
     for s in seqs:

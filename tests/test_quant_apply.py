@@ -99,11 +99,16 @@ def test_config_and_flags(tiny_dir: Path) -> None:
 
 
 def test_layouts_name_the_weights(tiny_dir: Path) -> None:
-    """A float worker and an int4 one hold different KV for the same tokens: never paired."""
-    engine = make_engine(tiny_dir, quantization="int4", num_blocks=8)
+    """A float worker and an int4 one hold different KV for the same tokens: never paired;
+    nor int4 workers on float32 and on int8 activations."""
+    engine = make_engine(tiny_dir, quantization="int4", num_blocks=8, quant_activations="float32")
     layout = kv_layout(engine)
     assert layout.weights == "int4-g32"
     float_layout = KVLayout(**{**layout.__dict__, "weights": "none"})
     with pytest.raises(LayoutMismatchError, match="weights a='int4-g32' b='none'"):
         check_layouts(layout, float_layout)
     check_layouts(layout, KVLayout(**layout.__dict__))
+    a8 = kv_layout(make_engine(tiny_dir, quantization="int4", num_blocks=8))  # auto: int8 here
+    assert a8.weights == "int4-g32, int8 activations"
+    with pytest.raises(LayoutMismatchError, match="weights a='int4-g32' b='int4-g32, int8 act"):
+        check_layouts(layout, a8)

@@ -19,25 +19,30 @@ from tests.engine_util import greedy, prompts
 from tests.test_compile import one_layer_dir, record_compiled_steps  # noqa: F401 - fixture
 
 
-def config(path: Path, compile: bool) -> EngineConfig:
+def config(path: Path, compile: bool, activations: str) -> EngineConfig:
     return EngineConfig(
         model=str(path),
         dtype="float32",
         compile=compile,
         quantization="int4",
+        quant_activations=activations,
         cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_step_time_s=0),
     )
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_compiled_decode_steps_give_the_eager_tokens(
     one_layer_dir: Path,  # noqa: F811 - test_compile's fixture, imported above
     monkeypatch: pytest.MonkeyPatch,
+    activations: str,
 ) -> None:
-    eager = LLMEngine(config(one_layer_dir, compile=False))
-    compiled = LLMEngine(config(one_layer_dir, compile=True))
+    """The kernels as custom ops in the compiled graphs: pdserve::qlinear, pdserve::qdot."""
+    eager = LLMEngine(config(one_layer_dir, compile=False, activations=activations))
+    compiled = LLMEngine(config(one_layer_dir, compile=True, activations=activations))
     model = compiled.runner.model
-    assert model.quantization == "int4-g32" and isinstance(model.tied_head, QuantLinear)
+    label = "int4-g32" if activations == "float32" else "int4-g32, int8 activations"
+    assert model.quantization == label and isinstance(model.tied_head, QuantLinear)
     steps = record_compiled_steps(compiled, monkeypatch)
     batch = prompts(eager.model_config.vocab_size, [5, 6, 7], seed=0)
     want = eager.generate(batch, greedy(8, logprobs=2))

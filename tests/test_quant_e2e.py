@@ -62,7 +62,9 @@ def modes(tiny_dir: Path, pulled: Path) -> dict[str, tuple[Path, str, int]]:
     }
 
 
-def engine(path: Path, quantization: str, group: int, chunk: int = 2048) -> LLMEngine:
+def engine(
+    path: Path, quantization: str, group: int, chunk: int = 2048, activations: str = "auto"
+) -> LLMEngine:
     """An engine over ``path`` in the mode; no start-up step timing (a fixed step budget)."""
     return LLMEngine(
         EngineConfig(
@@ -70,24 +72,30 @@ def engine(path: Path, quantization: str, group: int, chunk: int = 2048) -> LLME
             dtype="float32",
             quantization=quantization,
             quant_group_size=group,
+            quant_activations=activations,
             cache=CacheConfig(block_size=16, num_blocks=64),
             scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_step_time_s=0),
         )
     )
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("mode", ["int8", "int4-g32", "gguf Q4_1+Q8_0"])
-def test_disaggregated_and_colocated_equal_the_single_engine(modes, mode) -> None:
+def test_disaggregated_and_colocated_equal_the_single_engine(modes, mode, activations) -> None:
     path, quantization, group = modes[mode]
-    single = engine(path, quantization, group)
-    assert single.runner.model.quantization == mode
+    single = engine(path, quantization, group, activations=activations)
+    label = mode if activations == "float32" else f"{mode}, int8 activations"
+    assert single.runner.model.quantization == label
     batch = prompts(single.model_config.vocab_size, LENGTHS, seed=27)
     want = [out.new_token_ids for out in single.generate(batch, greedy(MAX_TOKENS))]
     assert single.block_manager.num_used_blocks == 0
     disagg = Cluster(
-        [engine(path, quantization, group, chunk=16)], [engine(path, quantization, group)]
+        [engine(path, quantization, group, chunk=16, activations=activations)],
+        [engine(path, quantization, group, activations=activations)],
     )
-    colocated = Cluster([], [engine(path, quantization, group)], colocated=True)
+    colocated = Cluster(
+        [], [engine(path, quantization, group, activations=activations)], colocated=True
+    )
     for cluster, route in ((disagg, "disaggregated"), (colocated, "colocated")):
         try:
             for i, prompt in enumerate(batch):
@@ -100,7 +108,7 @@ def test_disaggregated_and_colocated_equal_the_single_engine(modes, mode) -> Non
             assert cluster.coordinator.routes == {}
             assert set(cluster.used_blocks().values()) == {0}, route
             for w in cluster.workers.values():
-                assert w.engine.runner.model.quantization == mode
+                assert w.engine.runner.model.quantization == label
         finally:
             cluster.close()
 

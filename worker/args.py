@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pdserve import envs
 from pdserve.engine.cli_args import add_engine_args
@@ -53,6 +54,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         default=30.0,
         help="on SIGTERM, seconds to finish work in flight before exiting",
     )
+    g.add_argument(
+        "--core-board",
+        type=Path,
+        default=None,
+        help="a file the workers of one host share (pdserve serve makes one per launch): "
+        "this worker's quantized layers also use the cores of workers idle now",
+    )
+    g.add_argument("--core-slot", type=int, default=0, help="this worker's slot on --core-board")
     g.add_argument(
         "--served-model-name",
         default=None,

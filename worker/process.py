@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.engine.config import ConfigError, EngineConfig
+from pdserve.engine.core_board import CoreBoard
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_memory import ROLE_SHARES
 from pdserve.kvtransfer.base import KVReceiver, KVSender
@@ -90,6 +91,12 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         queued, draining = worker.queued_prompt_tokens, worker.draining
         liveness.publish(heartbeat(engine, worker_id, queued, draining, worker.transfers))
 
+    step = worker.step
+    board = None
+    if args.core_board is not None:
+        board = CoreBoard(args.core_board, args.core_slot, engine.config.threads or 1)
+        engine.runner.kernel_threads(board.threads)
+        step = _on_board(worker.step, engine, board)
     health.serving(worker, liveness, ctx, args.coordinator)
     log.info(
         "%s worker %s serving %s: control %s",
@@ -102,7 +109,7 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         serve(
             control,
             lambda msg: _handle(msg, parts),
-            worker.step,
+            step,
             periodic,
             stop_on_signals(),
             period_s=HEARTBEAT_PERIOD_S,
@@ -112,6 +119,8 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
             admit=RoleGate(keys, Receiver.WORKER).admit,  # the coordinator's key only
         )
     finally:
+        if board is not None:
+            board.close()
         if parts.transport is not None:
             parts.transport.close()
         outbox.close()
@@ -119,6 +128,19 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         health.close()  # its connection to the coordinator first: term waits for sockets
         ctx.term()
     return 0
+
+
+def _on_board(step: Callable[[], bool], engine: LLMEngine, board: CoreBoard) -> Callable[[], bool]:
+    """``step``, with the board told before and after whether the engine has work (its cores
+    are lent while it has none)."""
+
+    def boarded() -> bool:
+        board.set_busy(engine.has_unfinished())
+        did = step()
+        board.set_busy(engine.has_unfinished())
+        return did
+
+    return boarded
 
 
 def _handle(msg: Message, parts: RoleParts) -> None:

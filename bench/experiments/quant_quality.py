@@ -55,14 +55,18 @@ from pdserve.protocol.sampling import SamplingParams
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TEXT = Path(__file__).resolve().parents[2] / "models" / "data" / "perplexity.txt"
 
-# name -> (EngineConfig.quantization, quant_group_size)
-MODES: dict[str, tuple[str, int]] = {
-    "float32": ("none", 32),
-    "int8": ("int8", 32),
-    "int4-g32": ("int4", 32),
-    "int4-g64": ("int4", 64),
-    "int4-g192": ("int4", 192),  # 128 does not divide SmolLM2's 576-wide rows; 192 does
-    "gguf": ("auto", 32),
+# name -> (EngineConfig.quantization, quant_group_size, quant_activations); "+a8": the
+# quantized layers on int8 activations (engine/quant/qdot.py), the others on float32 ones
+MODES: dict[str, tuple[str, int, str]] = {
+    "float32": ("none", 32, "float32"),
+    "int8": ("int8", 32, "float32"),
+    "int4-g32": ("int4", 32, "float32"),
+    "int4-g64": ("int4", 64, "float32"),
+    "int4-g192": ("int4", 192, "float32"),  # 128 does not divide SmolLM2's 576-wide rows
+    "gguf": ("auto", 32, "float32"),
+    "int8+a8": ("int8", 32, "int8"),
+    "int4-g32+a8": ("int4", 32, "int8"),
+    "gguf+a8": ("auto", 32, "int8"),
 }
 
 PROMPTS = [
@@ -107,7 +111,9 @@ class ModeResult:
         return math.exp(self.nll_sum / self.nll_tokens)
 
 
-def make_engine(model: str, quantization: str, group: int, threads: int | None) -> LLMEngine:
+def make_engine(
+    model: str, quantization: str, group: int, activations: str, threads: int | None
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=model,
@@ -115,6 +121,7 @@ def make_engine(model: str, quantization: str, group: int, threads: int | None) 
             threads=threads,
             quantization=quantization,
             quant_group_size=group,
+            quant_activations=activations,
             cache=CacheConfig(block_size=16, num_blocks=1024, enable_prefix_caching=False),
             # no start-up timing: the step budget, and so how prompts are chunked, is fixed
             scheduler=SchedulerConfig(max_step_time_s=0),

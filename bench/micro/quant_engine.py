@@ -24,7 +24,16 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.models.store import DEFAULT_MODEL, resolve_model
 from pdserve.protocol.sampling import SamplingParams
 
-FORMS = {"float32": "none", "int8": "int8", "int4": "int4", "gguf": "auto"}
+# form -> (--quantization, --quant-activations); "+a8": int8 activations (engine/quant/qdot.py)
+FORMS = {
+    "float32": ("none", "float32"),
+    "int8": ("int8", "float32"),
+    "int4": ("int4", "float32"),
+    "gguf": ("auto", "float32"),
+    "int8+a8": ("int8", "int8"),
+    "int4+a8": ("int4", "int8"),
+    "gguf+a8": ("auto", "int8"),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,7 +65,8 @@ def main() -> None:
         engines[form] = LLMEngine(
             EngineConfig(
                 model=model,
-                quantization=FORMS[form],
+                quantization=FORMS[form][0],
+                quant_activations=FORMS[form][1],
                 threads=args.threads,
                 cache=CacheConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False),
                 scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),

@@ -11,6 +11,9 @@ Paged KV layout, one tensor per layer (flashinfer's ``NHD`` layout with K and V 
     token t of a sequence lives in block block_table[t // block_size], row t % block_size
     slot = block_id * block_size + row
 
+With ``--kv-cache-dtype int8`` the tensor is int8 and each (token, head) row carries its scale:
+``[num_blocks, 2, block_size, num_kv_heads, head_dim + 4]`` (drawn in kv_quant.py).
+
 The model calls ``plan`` once per step, then ``forward`` once per layer: the backend writes the
 new K/V into their slots and returns the attention output for every query row.
 """
@@ -64,7 +67,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KV, D]
         v: torch.Tensor,  # [T, KV, D]
-        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D] (int8: D + 4)
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         """Write k/v into their slots, then attend every query row over its context."""

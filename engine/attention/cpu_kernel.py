@@ -5,8 +5,9 @@ Built with the system C compiler into ``$PDSERVE_HOME/kernels/cpu_decode-<sha>.s
 ``load_kernel()`` is None and the torch backend keeps its gather + bmm path (logged once at
 INFO).
 
-It reads float32 and bfloat16 caches. ``KernelPlan`` is its per-step input, built once in the
-backend's ``plan`` and shared by every layer::
+It reads float32 and bfloat16 caches with queries of their dtype, and int8 caches (rows with
+their scale, kv_quant.py) with float32 or bfloat16 queries, in place. ``KernelPlan`` is its
+per-step input, built once in the backend's ``plan`` and shared by every layer::
 
     plan int32: rows[B] | lens[B] | indptr[B + 1] | pages[sum of blocks used]
 """
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from pdserve.engine import native_build
+from pdserve.engine.attention.kv_quant import head_dim_of
 from pdserve.engine.native_build import find_compiler
 from pdserve.envs import pdserve_home
 from pdserve.protocol.blocks import blocks_for
@@ -31,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 SYMBOL = "pdserve_paged_decode"
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes (q and out)
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # (the cache)
 # Below this many K/V rows a layer (context tokens x KV heads, summed over sequences) one
 # thread does the layer: waking a second one costs more than it saves (measured: ~1,000).
 PARALLEL_MIN_ROWS = 1024
@@ -64,17 +67,19 @@ class CpuDecodeKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = getattr(lib, SYMBOL)
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i64, i32, i32]
+        f32 = ctypes.c_float
+        fn.argtypes = [p, i64, p, p, i32, i32, i32, i32, i32, f32, p, i64, i32, i32, i32]
         fn.restype = None
         self._fn = fn
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """float32 or bfloat16 CPU tensors of one dtype, head size a multiple of 16, block size
-        a power of two, the cache contiguous and each q row's heads contiguous."""
-        block_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+        """float32 or bfloat16 CPU queries over a cache of their dtype or int8, head size a
+        multiple of 16, block size a power of two, the cache contiguous and each q row's heads
+        contiguous."""
+        block_size, head_dim = kv_cache.shape[2], head_dim_of(kv_cache)
         return (
-            q.dtype == kv_cache.dtype
+            kv_cache.dtype in (q.dtype, torch.int8)
             and q.dtype in DTYPES
             and q.device.type == kv_cache.device.type == "cpu"
             and head_dim % 16 == 0
@@ -87,13 +92,14 @@ class CpuDecodeKernel:
     def run(
         self,
         q: torch.Tensor,  # [T, H, D]
-        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D] (int8: D + 4)
         plan: KernelPlan,
         scale: float,
         out: torch.Tensor,  # [T, H, D] contiguous, q's dtype
         threads: int | None = None,  # None: torch's, for steps of PARALLEL_MIN_ROWS or more
     ) -> None:
-        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, kv_heads, _ = kv_cache.shape
+        head_dim = head_dim_of(kv_cache)
         if threads is None:
             big = plan.tokens * kv_heads >= PARALLEL_MIN_ROWS
             threads = torch.get_num_threads() if big else 1
@@ -111,6 +117,7 @@ class CpuDecodeKernel:
             out.data_ptr(),
             out.stride(0),
             DTYPES[q.dtype],
+            KV_DTYPES[kv_cache.dtype],
             threads,
         )
 

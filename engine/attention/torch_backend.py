@@ -1,10 +1,13 @@
 """Attention over the paged cache: plain torch ops (SDPA for prefill, bmm for decode), and on
 CPU a C kernel for decode rows.
 
+An int8 cache (``--kv-cache-dtype int8``, kv_quant.py) is quantized row by row as written; the C
+kernel reads it in place, the torch paths dequantize what they gather.
+
 Works on CPU and CUDA. Prefill chunks attend one sequence at a time (causal, offset by the
 tokens already cached) through ``scaled_dot_product_attention``. Single-token decode rows on a
 CPU go to ``cpu_decode.c`` (see ``cpu_kernel.py``) where it builds and reads the dtype
-(float32, bf16): K and V read in place through the block tables, one call a layer for every
+(float32, bf16, int8): K and V read in place through the block tables, one call a layer for every
 decode row. Otherwise (CUDA, fp16, no compiler, ``cpu_kernel=False``: the reference path)
 they go in groups of similar context lengths: their K and V blocks gathered once, head-major,
 into buffers kept from step to step (a fresh multi-megabyte tensor per layer per step cost
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.attention.cpu_kernel import CpuDecodeKernel, KernelPlan, load_kernel
+from pdserve.engine.attention.kv_quant import head_dim_of
 from pdserve.engine.attention.torch_ops import (
     DecodeGroup,
     KVSlots,
@@ -197,11 +201,12 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         if self._kernel.supports(q, kv_cache):
             return self._kernel
-        key = (q.dtype, kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[4])
+        key = (q.dtype, kv_cache.dtype, kv_cache.shape[2], head_dim_of(kv_cache))
         if key not in self._kernel_refused:
             self._kernel_refused.add(key)
             logger.info(
-                "CPU decode attention kernel reads float32 / bf16, head sizes a multiple of 16; "
+                "CPU decode attention kernel reads float32 / bf16 (or int8 caches), head sizes a "
+                "multiple of 16; "
                 "%s queries over a %s cache, block %d, head %d: decode attention through torch",
                 *key,
             )

@@ -1,7 +1,8 @@
 """Paged attention as plain torch functions, shared by the torch backend (torch_backend.py) and
 the compiled decode step (engine/compile.py): where new K/V go (``KVSlots``), decode rows
 gathered and attended by two ``bmm`` (``decode_attention``, planned per group of similar
-lengths by ``DecodeGroup``), buffers kept across steps (``Workspace``)."""
+lengths by ``DecodeGroup``), buffers kept across steps (``Workspace``). An int8 cache
+(kv_quant.py) is quantized as written and dequantized as gathered."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.engine.attention.kv_quant import dequantize_rows, is_int8, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -30,26 +33,31 @@ def write_kv_slots(
     kv_cache: torch.Tensor, slots: KVSlots, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """Two ``index_put_`` a layer (k, v: [T, KV, D], strided views welcome). torch.compile
-    keeps these in place; a write through a view of the cache became a copy of all of it."""
+    keeps these in place; a write through a view of the cache became a copy of all of it.
+    An int8 cache gets each row quantized on its own (kv_quant.py)."""
+    if is_int8(kv_cache):
+        k, v = quantize_rows(k), quantize_rows(v)
     kv_cache.index_put_((slots.blocks, slots.k_sel, slots.offsets), k.to(kv_cache.dtype))
     kv_cache.index_put_((slots.blocks, slots.v_sel, slots.offsets), v.to(kv_cache.dtype))
 
 
 def decode_attention(
     q: torch.Tensor,  # [Bd, H, D], one query row per sequence
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, D]
-    index: torch.Tensor,  # [2 * Bd * KV * L] cache rows of D values: K, then V
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, KV, W]: W = D, or D + 4 in int8
+    index: torch.Tensor,  # [2 * Bd * KV * L] cache rows of W values: K, then V
     bias: torch.Tensor,  # [Bd * KV, 1, L]: 0 to attend, -inf past a sequence's end
     scale: float,
-    out: torch.Tensor | None = None,  # [2 * Bd * KV * L, D]: where the gather goes
+    out: torch.Tensor | None = None,  # [2 * Bd * KV * L, W]: where the gather goes
 ) -> torch.Tensor:  # [Bd, H, D]
     """One gather, two bmm. ``index`` names, for every sequence, KV head and position, the
     cache row holding its K (then V), so one ``index_select`` writes them straight into
     [2, Bd * KV, L, D]: a plain batch of matrices. (SDPA needed [Bd, KV, L, D] from a block
     gather plus a transposing copy, and its masked kernel was slower than two bmm here.)"""
-    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
-    nb = q.shape[0]
-    kv = torch.index_select(kv_cache.view(-1, dim), 0, index, out=out)
+    heads, width = kv_cache.shape[3], kv_cache.shape[4]
+    nb, dim = q.shape[0], q.shape[2]
+    kv = torch.index_select(kv_cache.view(-1, width), 0, index, out=out)
+    if is_int8(kv_cache):
+        kv = dequantize_rows(kv)
     kv = kv.view(2, nb * heads, -1, dim).to(q.dtype)  # [2, Bd * KV, L, D]
     qg = q.reshape(nb * heads, -1, dim)  # [Bd * KV, G, D]: the query heads sharing a KV head
     scores = torch.baddbmm(bias.to(q.dtype), qg, kv[0].transpose(1, 2), alpha=scale)
@@ -114,8 +122,10 @@ def buckets(order: list[int], num_blocks: list[int]) -> list[list[int]]:
 
 def gather_blocks(
     kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = kv_cache[blocks]  # [nb, 2, bs, KV, D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [seq_len, KV, D], float32 from an int8 cache
+    kv = kv_cache[blocks]  # [nb, 2, bs, KV, W]
     k = kv[:, 0].reshape(-1, *kv.shape[3:])[:seq_len]
     v = kv[:, 1].reshape(-1, *kv.shape[3:])[:seq_len]
+    if is_int8(kv_cache):
+        return dequantize_rows(k), dequantize_rows(v)
     return k, v

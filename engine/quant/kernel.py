@@ -50,12 +50,13 @@ class QLinearKernel:
         w: QuantWeight,
         bias: torch.Tensor | None,  # [N] float32, contiguous
         out: torch.Tensor,  # [T, N] float32, rows contiguous
-        threads: int | None = None,  # None: torch's, for layers of PARALLEL_MIN_WORK or more
+        threads: int | None = None,  # None: torch's; 1 below PARALLEL_MIN_WORK either way
     ) -> None:
         n, k = w.shape
         t = x.shape[0]
-        if threads is None:
-            threads = torch.get_num_threads() if n * k * t >= PARALLEL_MIN_WORK else 1
+        threads = threads or torch.get_num_threads()
+        if n * k * t < PARALLEL_MIN_WORK:
+            threads = 1
         status = self._fn(
             x.data_ptr(),
             x.stride(0),

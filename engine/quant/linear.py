@@ -3,9 +3,11 @@
     forward(x [T, K] float32 | bfloat16 | float16) -> [T, N] in x's dtype
       CPU, kernel built   the C kernel (kernel.py) on float32 rows: x converted to float32 and
                           the result back, when x is another dtype
+      int8 activations    after ``use_int8_activations``: integer dot products (qdot.py) on
+                          the weight repacked into that kernel's layout (the original dropped)
       otherwise           through torch: dequantize a tile of rows, matmul (logged once)
-      torch.compile       the kernel as the custom op ``pdserve::qlinear`` (a fake
-                          implementation gives inductor the output's shape)
+      torch.compile       the kernel as the custom op ``pdserve::qlinear`` (or ``pdserve::qdot``;
+                          a fake implementation gives inductor the output's shape)
 
 The module holds no float copy of the weight: ``weight_bytes`` is what a forward reads.
 """
@@ -13,11 +15,13 @@ The module holds no float copy of the weight: ``weight_bytes`` is what a forward
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pdserve.engine.quant.kernel import KINDS, QLinearKernel, load_kernel
+from pdserve.engine.quant.qdot import PackedWeight, QDotKernel, QDotLayer, pack
 from pdserve.engine.quant.weights import QuantWeight, dequantize
 
 logger = logging.getLogger(__name__)
@@ -31,7 +35,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = weight
+        self.weight: QuantWeight | PackedWeight = weight
         self.out_features, self.in_features = weight.shape
         # the same memory as buffers: torch.compile takes a module's buffers as constants of
         # known shape (a dataclass's tensors would be graph inputs of symbolic shape); float16
@@ -46,8 +50,25 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias_bits", bits, persistent=False)  # float32, kept as such
         on_cpu = weight.data.device.type == "cpu"
         self._kernel: QLinearKernel | None = load_kernel() if on_cpu else None
+        self._qdot: QDotKernel | None = None
+        self._layer: QDotLayer | None = None  # the int8 path's constants, held by the kernel
+        # the threads a kernel call may use now (engine/core_board.py); None: torch's count
+        self.threads: Callable[[], int] | None = None
         if self._kernel is None:
             _log_torch_path_once(weight.data.device)
+
+    def use_int8_activations(self, kernel: QDotKernel) -> None:
+        """From now on: activations quantized to int8, integer dot products through ``kernel``;
+        the weight repacked into its layout, and the original form dropped."""
+        if isinstance(self.weight, PackedWeight):
+            return
+        packed = pack(self.weight)
+        self.weight = packed
+        self.codes = packed.codes
+        self.scales = packed.scales.view(torch.int16)
+        self.mins = None if packed.mins is None else packed.mins.view(torch.int16)
+        self._qdot = kernel
+        self._layer = kernel.layer(packed, self.bias)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -62,25 +83,48 @@ class QuantLinear(nn.Module):
         return self.weight.nbytes + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        layer = self._layer
+        if (  # the serving path: float32 rows [T, K] on int8 activations, few checks
+            layer is not None
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.is_contiguous()
+            and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        ):
+            out = torch.empty(x.shape[0], self.out_features)
+            layer.run(x, out, self.threads() if self.threads else torch.get_num_threads())
+            return out
         dtype, lead = x.dtype, x.shape[:-1]
         xf = x.reshape(-1, self.in_features).float()  # [T, K]; a view when it can be
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
-        if self._kernel is None or xf.device.type != "cpu":
+        w = self.weight
+        if isinstance(w, PackedWeight) and self._qdot is not None:
+            if torch.compiler.is_compiling():
+                out = torch.ops.pdserve.qdot(
+                    xf, self.codes, self.scales, self.mins, self.bias, w.n, w.k
+                )
+            else:
+                out = torch.empty(xf.shape[0], w.n, dtype=torch.float32)
+                self._qdot.run(xf, w, self.bias, out, self.threads() if self.threads else None)
+        elif self._kernel is None or xf.device.type != "cpu" or isinstance(w, PackedWeight):
             out = self._torch_forward(xf)
         elif torch.compiler.is_compiling():
-            kind, group = KINDS[self.weight.kind], self.weight.group
+            kind, n = KINDS[w.kind], w.shape[0]
             out = torch.ops.pdserve.qlinear(
-                xf, self.codes, self.scales, self.mins, self.bias, kind, group, self.out_features
+                xf, self.codes, self.scales, self.mins, self.bias, kind, w.group, n
             )
         else:
             out = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
-            self._kernel.run(xf, self.weight, self.bias, out)
+            self._kernel.run(xf, w, self.bias, out, self.threads() if self.threads else None)
         out = out.reshape(*lead, self.out_features)
         return out if dtype == torch.float32 else out.to(dtype)
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if isinstance(w, PackedWeight):
+            raise RuntimeError("an int8-activation layer runs on a CPU, through its kernel")
         tiles = []
         for start in range(0, self.out_features, TORCH_TILE_ROWS):
             rows = slice(start, start + TORCH_TILE_ROWS)
@@ -92,6 +136,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         path = "kernel" if self._kernel is not None else "torch"
+        if self._qdot is not None:
+            path = f"int8 activations, {self._qdot.path}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.weight.name}, {path}"
@@ -133,6 +179,45 @@ def qlinear_op(
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     kernel.run(x, w, bias, out)
     return out
+
+
+@torch.library.custom_op("pdserve::qdot", mutates_args=())
+def qdot_op(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    k: int,
+) -> torch.Tensor:
+    """The integer dot-product kernel as an op torch.compile keeps in a graph (x float32
+    [T, k] -> [T, n]); the packed weight's tensors as ``QuantLinear`` holds them."""
+    from pdserve.engine.quant.qdot import load_kernel as load_qdot
+
+    kernel = load_qdot()
+    if kernel is None:
+        raise RuntimeError("pdserve::qdot needs the integer dot-product kernel")
+    kind = "i8" if mins is None else "u4"
+    halves = scales.view(torch.float16), None if mins is None else mins.view(torch.float16)
+    w = PackedWeight(kind, codes, *halves, n, k, kind)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    kernel.run(x, w, bias, out)
+    return out
+
+
+@qdot_op.register_fake
+def _qdot_fake(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    k: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
 
 
 @qlinear_op.register_fake

@@ -135,6 +135,7 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
         "model files": model_digest(Path(config.model)),
         "dtype": config.dtype,
         "quantization": f"{config.quantization} (group {config.quant_group_size})",
+        "quantized layers' activations": config.quant_activations,
         "block size": str(config.cache.block_size),
         "max model len": str(config.max_model_len),
         "tensor parallel size": str(config.tensor_parallel_size),

@@ -60,7 +60,8 @@ def group_cache(
         budget = KVCache.budget(cache, device)
         if device.type == "cpu" and cache.kv_cache_memory is None:
             budget //= group.size
-        mine = budget // KVCache.bytes_per_block(local, cache.block_size, dtype)
+        per_block = KVCache.bytes_per_block(local, cache.block_size, dtype, cache.kv_cache_dtype)
+        mine = budget // per_block
     num_blocks = group.min_int(mine)
     if num_blocks < 1:
         raise ConfigError(

@@ -18,8 +18,13 @@ TITLES = {
     "colocated-gguf": "pdserve GGUF",
     "colocated-gguf-1w": "pdserve GGUF 1 worker",
     "disagg": "pdserve disagg fp32",
+    "serve-a32": "pdserve make serve, fp32 activations",
+    "serve": "pdserve make serve",
 }
 RATIOS = (
+    ("serve", "llamacpp"),
+    ("serve", "vllm"),
+    ("serve", "serve-a32"),
     ("colocated-int4", "llamacpp"),
     ("colocated-gguf", "llamacpp"),
     ("colocated-gguf-1w", "llamacpp"),
@@ -48,13 +53,14 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def _grid(report: dict[str, Any], key: str, ratios: bool) -> list[str]:
     servers = _servers(report)
-    extra = [f"{TITLES[a]} / {TITLES[b]}" for a, b in RATIOS] if ratios else []
+    pairs = [(a, b) for a, b in RATIOS if a in servers and b in servers] if ratios else []
+    extra = [f"{TITLES[a]} / {TITLES[b]}" for a, b in pairs]
     head = ["model", "C", *(TITLES[s] for s in servers), *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for model, res in report["models"].items():
         for c in map(str, report["concurrency"]):
             cells = [_fmt(_cell(res, s, c, key)) for s in servers]
-            for a, b in RATIOS if ratios else ():
+            for a, b in pairs:
                 x, y = _cell(res, a, c, key), _cell(res, b, c, key)
                 cells.append(f"{x / y:.2f}x" if x is not None and y else "-")
             lines.append(f"| {model} | {c} | " + " | ".join(cells) + " |")

@@ -8,6 +8,9 @@
     colocated-gguf  ... --quantization auto   (the model directory's GGUF blocks kept: Q4_1/Q8_0)
     colocated-gguf-1w  the GGUF arm as one worker with a thread per core (as llama.cpp runs)
     disagg          pdserve serve --quantization none (1 prefill + 1 decode worker, float32)
+    serve           pdserve serve with no flags: what `make serve` starts (1 prefill + 1 decode,
+                    the GGUF kept, int8 activations where the host builds them, cores lent)
+    serve-a32       the same on float32 activations and without lent cores (as before issue 41)
 
 llama.cpp and the GGUF arm serve ``<model dir>/model.gguf`` (or ``--gguf``); a model with none
 skips them. Every server gets the whole machine, in the way it is best used: llama.cpp one
@@ -42,9 +45,11 @@ PDSERVE_FLAGS = {
         f"--threads={os.cpu_count() or 1}",
     ],
     "disagg": ["--quantization=none"],
+    "serve": [],
+    "serve-a32": ["--quant-activations=float32", "--no-lend-cores"],
 }
 SERVERS = ("vllm", "llamacpp", *PDSERVE_FLAGS)
-NEEDS_GGUF = ("llamacpp", "colocated-gguf", "colocated-gguf-1w")
+NEEDS_GGUF = ("llamacpp", "colocated-gguf", "colocated-gguf-1w", "serve", "serve-a32")
 # the form of the weights each server holds (what a decode step reads, for mbu.step_bytes)
 WEIGHTS = {
     "vllm": "none",
@@ -55,6 +60,8 @@ WEIGHTS = {
     "colocated-gguf": "gguf",
     "colocated-gguf-1w": "gguf",
     "disagg": "none",
+    "serve": "gguf",
+    "serve-a32": "gguf",
 }
 
 

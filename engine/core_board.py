@@ -1,0 +1,78 @@
+"""Cores lent between the workers of one host: a small board they share (``pdserve serve``).
+
+    board file, in serve's private run directory (one per launch): SLOTS x 64 bytes
+    slot i (worker i of the launch):  byte 0  busy (1 while its engine has work)
+                                      4..7    its own threads (uint32, 0: slot unused)
+                                      8..11   its pid (uint32)
+
+Each worker writes its own slot: its threads once, and before each step whether its engine has
+work. Its quantized layers (the most of a step) then run on its own threads plus those of every
+other worker that is idle now, at most the cores this process may run on. With one or two
+streams and the prefill worker idle, a decode step gets both cores, as llama.cpp gives one
+stream all its threads; a prompt gets the decode worker's core while no stream runs. Asked
+before every kernel call, so a worker that starts a step takes its cores back within one layer
+of the other's. The kernels' results do not depend on their thread count (engine/quant/), so
+lending changes no token.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+SLOTS = 64
+SLOT_BYTES = 64
+BOARD_BYTES = SLOTS * SLOT_BYTES
+REFRESH_S = 1.0  # how often the list of other workers (their slots and threads) is reread
+
+
+class CoreBoard:
+    """This worker's slot on a board, and the threads it may run on now (``threads``)."""
+
+    def __init__(self, path: Path, slot: int, own_threads: int) -> None:
+        if not 0 <= slot < SLOTS:
+            raise ValueError(f"core board slot must be in [0, {SLOTS}), got {slot}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < BOARD_BYTES:
+                os.ftruncate(fd, BOARD_BYTES)  # every worker asks for the same size: no race
+            self._mm = mmap.mmap(fd, BOARD_BYTES)
+        finally:
+            os.close(fd)
+        self.path, self.slot, self.own = path, slot, max(1, own_threads)
+        self._at = slot * SLOT_BYTES
+        self.cores = len(os.sched_getaffinity(0))
+        struct.pack_into("<BxxxII", self._mm, self._at, 1, self.own, os.getpid())
+        self._others: list[tuple[int, int]] = []  # (byte offset of a busy flag, its threads)
+        self._refreshed = -REFRESH_S
+
+    def set_busy(self, busy: bool) -> None:
+        self._mm[self._at] = 1 if busy else 0
+
+    def threads(self) -> int:
+        """Own threads plus those of every idle worker on the board, at most ``cores``."""
+        now = time.monotonic()
+        if now - self._refreshed >= REFRESH_S:
+            self._refresh(now)
+        mm, count = self._mm, self.own
+        for at, threads in self._others:
+            if not mm[at]:
+                count += threads
+        return min(count, self.cores)
+
+    def _refresh(self, now: float) -> None:
+        others = []
+        for i in range(SLOTS):
+            if i != self.slot:
+                _, threads, _ = struct.unpack_from("<BxxxII", self._mm, i * SLOT_BYTES)
+                if threads:
+                    others.append((i * SLOT_BYTES, threads))
+        self._others, self._refreshed = others, now
+
+    def close(self) -> None:
+        """Leave the board: the slot says busy, so nobody borrows a core it no longer frees."""
+        self.set_busy(True)
+        self._mm.close()
