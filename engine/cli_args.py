@@ -46,8 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quant-activations",
         default="auto",
         choices=list(QUANT_ACTIVATIONS),
-        help="quantized layers on a CPU: int8 (activations quantized per 32 values, integer dot "
-        "products: VNNI or AVX2), float32 (weights dequantized, float activations); auto: int8 "
+        help="quantized layers on a CPU: int16 / int8 (activations quantized per 32 values, "
+        "integer dot products: VNNI or AVX2; int8 is faster with many streams, at llama.cpp's "
+        "quality), float32 (weights dequantized: transformers' tokens exactly); auto: int16 "
         "where the kernel builds",
     )
     g.add_argument(

@@ -18,7 +18,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-QUANT_ACTIVATIONS = ("auto", "float32", "int8")
+QUANT_ACTIVATIONS = ("auto", "float32", "int16", "int8")
 # auto: the model's dtype; int8: rows of int8 values and a scale (engine/attention/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -299,7 +299,7 @@ class EngineConfig:
     # auto | none | int8 | int4: the linear layers' weights (engine/loader.py, engine/quant/)
     quantization: str = "auto"
     quant_group_size: int = 32  # int4: weights per scale and minimum
-    # auto | float32 | int8: quantized layers' activations on a CPU (engine/quant/qdot.py)
+    # auto | float32 | int16 | int8: quantized layers' activations on a CPU (quant/qdot.py)
     quant_activations: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, make_backend
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.block_manager import KVCache
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cpu_layers import NativeLayers
 from pdserve.engine.loader import load_model
 from pdserve.engine.quant.activations import set_activations
 from pdserve.engine.scheduler import Sequence
@@ -171,6 +173,10 @@ class ModelRunner:
         self.compiled: CompiledDecode | None = None
         if config.compile:
             self._compile_decode()
+        # CPU, decode steps: the layers in one C call where the model and kernels allow
+        self.native: NativeLayers | None = None
+        if self.device.type == "cpu" and group is None and not config.compile:
+            self.native = NativeLayers.build(self.model, self.kv_cache.layers)
         # CUDA only: captured decode steps (engine/cuda_graphs.py)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and group is None:
@@ -328,6 +334,10 @@ class ModelRunner:
             self.backend.plan(inputs.metadata)
             if self.compiled is not None:
                 hidden = self.compiled.run(inputs.input_ids, inputs.positions, self.backend)
+            elif self.native is not None and isinstance(self.backend, TorchAttentionBackend):
+                planned = self.backend.native_decode()
+                if planned is not None:
+                    hidden = self.native.run(inputs.input_ids, inputs.positions, *planned)
         if hidden is None:
             layers = self.kv_cache.layers
             eager: torch.Tensor = self.model(

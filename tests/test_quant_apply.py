@@ -108,7 +108,10 @@ def test_layouts_name_the_weights(tiny_dir: Path) -> None:
     with pytest.raises(LayoutMismatchError, match="weights a='int4-g32' b='none'"):
         check_layouts(layout, float_layout)
     check_layouts(layout, KVLayout(**layout.__dict__))
-    a8 = kv_layout(make_engine(tiny_dir, quantization="int4", num_blocks=8))  # auto: int8 here
-    assert a8.weights == "int4-g32, int8 activations"
-    with pytest.raises(LayoutMismatchError, match="weights a='int4-g32' b='int4-g32, int8 act"):
-        check_layouts(layout, a8)
+    a16 = kv_layout(make_engine(tiny_dir, quantization="int4", num_blocks=8))  # auto: int16
+    assert a16.weights == "int4-g32, int16 activations"
+    with pytest.raises(LayoutMismatchError, match="weights a='int4-g32' b='int4-g32, int16 act"):
+        check_layouts(layout, a16)
+    a8 = make_engine(tiny_dir, quantization="int4", num_blocks=8, quant_activations="int8")
+    with pytest.raises(LayoutMismatchError, match="int16 activations' b='int4-g32, int8 act"):
+        check_layouts(a16, kv_layout(a8))

@@ -31,7 +31,7 @@ def config(path: Path, compile: bool, activations: str) -> EngineConfig:
     )
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "int16"])
 def test_compiled_decode_steps_give_the_eager_tokens(
     one_layer_dir: Path,  # noqa: F811 - test_compile's fixture, imported above
     monkeypatch: pytest.MonkeyPatch,
@@ -41,7 +41,7 @@ def test_compiled_decode_steps_give_the_eager_tokens(
     eager = LLMEngine(config(one_layer_dir, compile=False, activations=activations))
     compiled = LLMEngine(config(one_layer_dir, compile=True, activations=activations))
     model = compiled.runner.model
-    label = "int4-g32" if activations == "float32" else "int4-g32, int8 activations"
+    label = "int4-g32" if activations == "float32" else f"int4-g32, {activations} activations"
     assert model.quantization == label and isinstance(model.tied_head, QuantLinear)
     steps = record_compiled_steps(compiled, monkeypatch)
     batch = prompts(eager.model_config.vocab_size, [5, 6, 7], seed=0)

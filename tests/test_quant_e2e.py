@@ -79,12 +79,12 @@ def engine(
     )
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "int16", "int8"])
 @pytest.mark.parametrize("mode", ["int8", "int4-g32", "gguf Q4_1+Q8_0"])
 def test_disaggregated_and_colocated_equal_the_single_engine(modes, mode, activations) -> None:
     path, quantization, group = modes[mode]
     single = engine(path, quantization, group, activations=activations)
-    label = mode if activations == "float32" else f"{mode}, int8 activations"
+    label = mode if activations == "float32" else f"{mode}, {activations} activations"
     assert single.runner.model.quantization == label
     batch = prompts(single.model_config.vocab_size, LENGTHS, seed=27)
     want = [out.new_token_ids for out in single.generate(batch, greedy(MAX_TOKENS))]

@@ -55,8 +55,8 @@ from pdserve.protocol.sampling import SamplingParams
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TEXT = Path(__file__).resolve().parents[2] / "models" / "data" / "perplexity.txt"
 
-# name -> (EngineConfig.quantization, quant_group_size, quant_activations); "+a8": the
-# quantized layers on int8 activations (engine/quant/qdot.py), the others on float32 ones
+# name -> (EngineConfig.quantization, quant_group_size, quant_activations); "+a8" / "+a16":
+# the quantized layers on int8 / int16 activations (engine/quant/qdot.py), the others on float32
 MODES: dict[str, tuple[str, int, str]] = {
     "float32": ("none", 32, "float32"),
     "int8": ("int8", 32, "float32"),
@@ -67,6 +67,9 @@ MODES: dict[str, tuple[str, int, str]] = {
     "int8+a8": ("int8", 32, "int8"),
     "int4-g32+a8": ("int4", 32, "int8"),
     "gguf+a8": ("auto", 32, "int8"),
+    "int8+a16": ("int8", 32, "int16"),
+    "int4-g32+a16": ("int4", 32, "int16"),
+    "gguf+a16": ("auto", 32, "int16"),
 }
 
 PROMPTS = [

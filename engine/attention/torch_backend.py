@@ -212,6 +212,13 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return None
 
+    def native_decode(self) -> tuple[KVSlots, KernelPlan] | None:
+        """A planned step of decode rows only, for the C kernel: its slots and the kernel's
+        plan (engine/cpu_layers.py runs the layers around it); None for any other step."""
+        if self._prefills or self._slots is None or self._kernel is None:
+            return None
+        return None if self._kernel_plan is None else (self._slots, self._kernel_plan)
+
     def decode_step(self, heads: int) -> tuple[KVSlots, torch.Tensor, torch.Tensor] | None:
         """A planned step of decode rows only, in one group, as tensors alone: (slots, gather
         index, bias) for ``decode_attention``; None for any other step."""

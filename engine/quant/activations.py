@@ -1,10 +1,13 @@
-"""What a model's quantized layers multiply: float32 or int8 activations (--quant-activations).
+"""What a model's quantized layers multiply: float32, int16 or int8 activations
+(--quant-activations).
 
     float32  each weight dequantized to float32 in registers (cpu_qlinear.c): exact to the
-             weights, bound by arithmetic on a CPU
-    int8     activations quantized per 32 values, integer dot products (cpu_qdot.c): llama.cpp's
-             way, 2-4x faster; its own numbers, so its own weight form for pairing
-    auto     int8 wherever its kernel builds (a CPU with a C compiler), else float32
+             weights (the tokens of transformers on the same checkpoint), bound by arithmetic
+    int16    activations quantized per 32 values to int16, integer dot products (cpu_qdot.c):
+             as fast as int8 where a step reads its weights (one stream), 1/256 of its rounding
+    int8     the same in int8 (llama.cpp's way): twice int16's arithmetic rate, for many
+             streams, at llama.cpp's quality (a chat answer can go astray; the README's table)
+    auto     int16 wherever the kernel builds (a CPU with a C compiler), else float32
 
 The quality of int8 activations against float32 ones is measured by
 bench/experiments/quant_quality.py (the README's table). The choice changes the values the
@@ -22,12 +25,12 @@ from pdserve.engine.quant.qdot import load_kernel
 
 logger = logging.getLogger(__name__)
 
-INT8_LABEL = "int8 activations"
+BITS = {"int8": 8, "int16": 16, "auto": 16}
 
 
 def set_activations(model: CausalLM, mode: str) -> str:
     """Make ``model``'s quantized layers take ``mode``'s activations (in place); returns what
-    they run: "float32", or "int8 (<instruction path>)"; "" for a model with none."""
+    they run: "float32", or "int16 (<instruction path>)"; "" for a model with none."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return ""
@@ -36,11 +39,12 @@ def set_activations(model: CausalLM, mode: str) -> str:
     on_cpu = all(m.codes.device.type == "cpu" for m in layers)
     kernel = load_kernel() if on_cpu else None
     if kernel is None:
-        if mode == "int8":
+        if mode != "auto":
             where = "a CPU" if not on_cpu else "its kernel (no C compiler or the build failed)"
-            raise RuntimeError(f"--quant-activations int8 needs {where}")
+            raise RuntimeError(f"--quant-activations {mode} needs {where}")
         return "float32"
+    bits = BITS[mode]
     for layer in layers:
-        layer.use_int8_activations(kernel)
-    model.quantization = f"{model.quantization}, {INT8_LABEL}"
-    return f"int8 ({kernel.path})"
+        layer.use_integer_activations(kernel, bits)
+    model.quantization = f"{model.quantization}, int{bits} activations"
+    return f"int{bits} ({kernel.path})"

@@ -46,7 +46,8 @@ typedef struct {
 } packed;
 
 typedef struct {
-    const int8_t *q;    /* [T][K] */
+    const int8_t *q;    /* [T][K]: int8 activations (NULL in int16 mode) */
+    const int16_t *q16; /* [T][K]: int16 activations (NULL in int8 mode) */
     const float *d;     /* [T][NB] */
     const float *xs;    /* [T][NB] d * sumq: the min term's factor (u4) */
     const int32_t *sq;  /* [T][NB] 128 * sumq: the i8 offset's correction */
@@ -90,6 +91,25 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
     }
 }
 
+/* int16 activations: d = max|x| / 32767, q = round(x / d) as above; no offset correction */
+static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *xs) {
+    for (int64_t b = 0; b < K / BK; b++) {
+        const float *v = x + b * BK;
+        float amax = 0.0f;
+        for (int i = 0; i < BK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float db = amax / 32767.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < BK; i++) {
+            float r = nearbyintf(v[i] * inv);
+            int32_t qi = r >= -32767.0f && r <= 32767.0f ? (int32_t)r : (r > 0.0f ? 32767 : -32767);
+            q[b * BK + i] = (int16_t)qi;
+            sum += qi;
+        }
+        d[b] = db;
+        xs[b] = db * (float)sum;
+    }
+}
+
 /* ---- the plain C reference of every path ----------------------------------------------- */
 
 static inline int code_at(const packed *w, const uint8_t *blk, int r, int k) {
@@ -108,9 +128,12 @@ static void group_c(const packed *w, int64_t g, const acts *x, int64_t t0, int t
             float s = half_to_float(sh[r]);
             float m = w->u4 ? half_to_float(w->mins[(g * w->nb + b) * ROWS + r]) : 0.0f;
             for (int t = 0; t < tt; t++) {
-                const int8_t *q = x->q + (t0 + t) * x->K + b * BK;
+                int64_t at0 = (t0 + t) * x->K + b * BK;
                 int32_t isum = 0;
-                for (int k = 0; k < BK; k++) isum += code_at(w, blk, r, k) * q[k];
+                if (x->q16)
+                    for (int k = 0; k < BK; k++) isum += code_at(w, blk, r, k) * x->q16[at0 + k];
+                else
+                    for (int k = 0; k < BK; k++) isum += code_at(w, blk, r, k) * x->q[at0 + k];
                 int64_t at = (t0 + t) * x->nb + b;
                 float *a = acc + t * ROWS + r;
                 *a = fmaf((float)isum, s * x->d[at], *a);
@@ -186,6 +209,24 @@ static inline __m256i isum_vnni256(const packed *w, const __m256i c[8], const in
 }
 #endif
 
+/* the same isum against int16 activations, by vpmaddwd: each chunk's codes widened to int16
+ * (4 rows x 4 weights a vector), int32 pairs of one row, summed at the end of the block */
+static inline __m256i isum16_256(const packed *w, const __m256i c[8], const int16_t *q) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        int64_t xv;
+        memcpy(&xv, q + 4 * k, sizeof xv);
+        __m256i xb = _mm256_set1_epi64x(xv);
+        __m128i c0 = _mm256_castsi256_si128(c[k]), c1 = _mm256_extracti128_si256(c[k], 1);
+        __m256i w0 = w->u4 ? _mm256_cvtepu8_epi16(c0) : _mm256_cvtepi8_epi16(c0);
+        __m256i w1 = w->u4 ? _mm256_cvtepu8_epi16(c1) : _mm256_cvtepi8_epi16(c1);
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(w0, xb)); /* rows 0-3, 2 lanes each */
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(w1, xb)); /* rows 4-7 */
+    }
+    __m256i h = _mm256_hadd_epi32(lo, hi); /* rows 0 1 4 5 | 2 3 6 7 */
+    return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
 static inline void group256(const packed *w, int64_t g, const acts *x, int64_t t0, int tt,
                             float *acc, int vnni) {
     for (int h = 0; h < 2; h++) {
@@ -199,8 +240,12 @@ static inline void group256(const packed *w, int64_t g, const acts *x, int64_t t
                              : _mm256_setzero_ps();
             for (int t = 0; t < tt; t++) {
                 int64_t at = (t0 + t) * x->nb + b;
-                const int8_t *q = x->q + (t0 + t) * x->K + b * BK;
                 __m256i is;
+                if (x->q16) {
+                    is = isum16_256(w, c, x->q16 + (t0 + t) * x->K + b * BK);
+                    goto scaled;
+                }
+                const int8_t *q = x->q + (t0 + t) * x->K + b * BK;
 #ifdef HAVE_AVXVNNI
                 if (vnni) {
                     is = isum_vnni256(w, c, q);
@@ -209,6 +254,7 @@ static inline void group256(const packed *w, int64_t g, const acts *x, int64_t t
 #endif
                     is = isum_avx2(w, c, q);
                 (void)vnni;
+            scaled:
                 a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(s, _mm256_set1_ps(x->d[at])), a[t]);
                 if (w->u4) a[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->xs[at]), a[t]);
             }
@@ -257,7 +303,63 @@ static inline __attribute__((always_inline)) void group512_tile(
     for (int t = 0; t < tt; t++) _mm512_storeu_ps(acc + t * ROWS, a[t]);
 }
 
+/* int16 activations: each chunk widened to int16 once a block (rows 0-7, 8-15), vpdpwssd into
+ * pairs of lanes per row, summed and gathered into one vector of 16 rows at the block's end */
+static inline __attribute__((always_inline)) void group512_tile16(
+    const packed *w, int64_t g, const acts *x, int64_t t0, const int tt, float *acc) {
+    __m512 a[TT512];
+    for (int t = 0; t < tt; t++) a[t] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    for (int64_t b = 0; b < w->nb; b++) {
+        int64_t wb = g * w->nb + b;
+        const uint8_t *blk = w->codes + wb * w->block_bytes;
+        __m512i wide[16];
+        for (int k = 0; k < 8; k++) {
+            __m512i c;
+            if (w->u4) {
+                __m512i v = _mm512_loadu_si512(blk + (k % 4) * 64);
+                c = k < 4 ? _mm512_and_si512(v, low) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            } else {
+                c = _mm512_loadu_si512(blk + k * 64);
+            }
+            __m256i c0 = _mm512_castsi512_si256(c), c1 = _mm512_extracti64x4_epi64(c, 1);
+            wide[2 * k] = w->u4 ? _mm512_cvtepu8_epi16(c0) : _mm512_cvtepi8_epi16(c0);
+            wide[2 * k + 1] = w->u4 ? _mm512_cvtepu8_epi16(c1) : _mm512_cvtepi8_epi16(c1);
+        }
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + wb * ROWS)));
+        __m512 m = w->u4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + wb * ROWS)))
+                         : _mm512_setzero_ps();
+        for (int t = 0; t < tt; t++) {
+            int64_t at = (t0 + t) * x->nb + b;
+            const int16_t *q = x->q16 + (t0 + t) * x->K + b * BK;
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                int64_t xv;
+                memcpy(&xv, q + 4 * k, sizeof xv);
+                __m512i xb = _mm512_set1_epi64(xv);
+                lo = _mm512_dpwssd_epi32(lo, wide[2 * k], xb);
+                hi = _mm512_dpwssd_epi32(hi, wide[2 * k + 1], xb);
+            }
+            lo = _mm512_add_epi32(lo, _mm512_srli_epi64(lo, 32)); /* a row's pair, even lanes */
+            hi = _mm512_add_epi32(hi, _mm512_srli_epi64(hi, 32));
+            __m512i is = _mm512_permutex2var_epi32(lo, even, hi);
+            a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(x->d[at])), a[t]);
+            if (w->u4) a[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->xs[at]), a[t]);
+        }
+    }
+    for (int t = 0; t < tt; t++) _mm512_storeu_ps(acc + t * ROWS, a[t]);
+}
+
 static void group512(const packed *w, int64_t g, const acts *x, int64_t t0, int tt, float *acc) {
+    if (x->q16) {
+        switch (tt) {
+        case 1: group512_tile16(w, g, x, t0, 1, acc); return;
+        case 2: group512_tile16(w, g, x, t0, 2, acc); return;
+        case 3: group512_tile16(w, g, x, t0, 3, acc); return;
+        default: group512_tile16(w, g, x, t0, 4, acc); return;
+        }
+    }
     switch (tt) { /* constant tile heights: the accumulators stay in registers */
     case 1: group512_tile(w, g, x, t0, 1, acc); break;
     case 2: group512_tile(w, g, x, t0, 2, acc); break;
@@ -312,26 +414,31 @@ typedef struct {
     packed w;
     const float *bias;
     int64_t K, N;
-    int path;
+    int path, bits; /* bits: the activations', 8 or 16 */
 } layer;
 
 static int qdot(const layer *l, const float *x, int64_t x_stride, int64_t T, float *y,
                 int64_t y_stride, int threads) {
     const packed *w = &l->w;
     int64_t K = l->K, N = l->N, nb = K / BK, groups = (N + ROWS - 1) / ROWS;
-    size_t q_bytes = (size_t)(T * K), f_bytes = (size_t)(T * nb) * sizeof(float);
+    size_t q_bytes = (size_t)(T * K) * (l->bits / 8), f_bytes = (size_t)(T * nb) * sizeof(float);
     char *buf = malloc(q_bytes + 3 * f_bytes + 64);
     if (!buf) return -1;
     float *d = (float *)buf, *xs = d + T * nb;
     int32_t *sq = (int32_t *)(xs + T * nb);
-    int8_t *q = (int8_t *)(sq + T * nb);
+    int8_t *q = l->bits == 8 ? (int8_t *)(sq + T * nb) : NULL;
+    int16_t *q16 = l->bits == 16 ? (int16_t *)(sq + T * nb) : NULL;
     if (threads > groups) threads = (int)groups;
     if (threads < 1) threads = 1;
     int par_rows = T >= 8 * threads ? threads : 1;
 #pragma omp parallel for num_threads(par_rows) if (par_rows > 1) schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        quantize_row(x + t * x_stride, K, q + t * K, d + t * nb, xs + t * nb, sq + t * nb);
-    acts a = {q, d, xs, sq, K, nb};
+    for (int64_t t = 0; t < T; t++) {
+        if (q16)
+            quantize_row16(x + t * x_stride, K, q16 + t * K, d + t * nb, xs + t * nb);
+        else
+            quantize_row(x + t * x_stride, K, q + t * K, d + t * nb, xs + t * nb, sq + t * nb);
+    }
+    acts a = {q, q16, d, xs, sq, K, nb};
     int th = tile_rows(l->path);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -360,30 +467,31 @@ static int qdot(const layer *l, const float *x, int64_t x_stride, int64_t T, flo
 }
 
 static layer make_layer(int64_t K, int64_t N, const void *codes, const uint16_t *scales,
-                        const uint16_t *mins, const float *bias, int path) {
+                        const uint16_t *mins, const float *bias, int path, int bits) {
     layer l = {{(const uint8_t *)codes, scales, mins, K / BK, mins ? 4 * 64 : 8 * 64, mins != NULL},
-               bias, K, N, path};
+               bias, K, N, path, bits == 16 ? 16 : 8};
     return l;
 }
 
 /* y[t, n] for t < T, n < N (x rows x_stride floats apart, y rows y_stride); weights packed as
- * the header says (u4: mins given; i8: mins NULL). path: one of pdserve_qdot_paths()' bits.
+ * the header says (u4: mins given; i8: mins NULL). path: one of pdserve_qdot_paths()' bits;
+ * bits: the activations' (8, or 16: int16 per 32 values, d = max|x| / 32767, by vpdpwssd).
  * Returns 0; -1 when the activations' buffer could not be allocated; -2 for a path not here. */
 int pdserve_qdot(const float *x, int64_t x_stride, int64_t T, int64_t K, const void *codes,
                  const uint16_t *scales, const uint16_t *mins, const float *bias, float *y,
-                 int64_t y_stride, int64_t N, int threads, int path) {
+                 int64_t y_stride, int64_t N, int threads, int path, int bits) {
     if (!(pdserve_qdot_paths() >> path & 1)) return -2;
-    layer l = make_layer(K, N, codes, scales, mins, bias, path);
+    layer l = make_layer(K, N, codes, scales, mins, bias, path, bits);
     return qdot(&l, x, x_stride, T, y, y_stride, threads);
 }
 
 /* The same for a layer called step after step: its constants held once (a serving model's
  * calls then pass 5 arguments, not 13); NULL for a path not here or no memory. */
 void *pdserve_qdot_layer(int64_t K, int64_t N, const void *codes, const uint16_t *scales,
-                         const uint16_t *mins, const float *bias, int path) {
+                         const uint16_t *mins, const float *bias, int path, int bits) {
     if (!(pdserve_qdot_paths() >> path & 1)) return NULL;
     layer *l = malloc(sizeof *l);
-    if (l) *l = make_layer(K, N, codes, scales, mins, bias, path);
+    if (l) *l = make_layer(K, N, codes, scales, mins, bias, path, bits);
     return l;
 }
 

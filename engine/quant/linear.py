@@ -3,7 +3,7 @@
     forward(x [T, K] float32 | bfloat16 | float16) -> [T, N] in x's dtype
       CPU, kernel built   the C kernel (kernel.py) on float32 rows: x converted to float32 and
                           the result back, when x is another dtype
-      int8 activations    after ``use_int8_activations``: integer dot products (qdot.py) on
+      int activations     after ``use_integer_activations``: integer dot products (qdot.py) on
                           the weight repacked into that kernel's layout (the original dropped)
       otherwise           through torch: dequantize a tile of rows, matmul (logged once)
       torch.compile       the kernel as the custom op ``pdserve::qlinear`` (or ``pdserve::qdot``;
@@ -51,15 +51,16 @@ class QuantLinear(nn.Module):
         on_cpu = weight.data.device.type == "cpu"
         self._kernel: QLinearKernel | None = load_kernel() if on_cpu else None
         self._qdot: QDotKernel | None = None
-        self._layer: QDotLayer | None = None  # the int8 path's constants, held by the kernel
+        self._layer: QDotLayer | None = None  # the integer path's constants, held by the kernel
+        self._bits = 0  # its activations' bits
         # the threads a kernel call may use now (engine/core_board.py); None: torch's count
         self.threads: Callable[[], int] | None = None
         if self._kernel is None:
             _log_torch_path_once(weight.data.device)
 
-    def use_int8_activations(self, kernel: QDotKernel) -> None:
-        """From now on: activations quantized to int8, integer dot products through ``kernel``;
-        the weight repacked into its layout, and the original form dropped."""
+    def use_integer_activations(self, kernel: QDotKernel, bits: int) -> None:
+        """From now on: activations quantized to ``bits`` (8 or 16) integers, integer dot
+        products through ``kernel``; the weight repacked into its layout, the original dropped."""
         if isinstance(self.weight, PackedWeight):
             return
         packed = pack(self.weight)
@@ -68,7 +69,8 @@ class QuantLinear(nn.Module):
         self.scales = packed.scales.view(torch.int16)
         self.mins = None if packed.mins is None else packed.mins.view(torch.int16)
         self._qdot = kernel
-        self._layer = kernel.layer(packed, self.bias)
+        self._layer = kernel.layer(packed, self.bias, bits)
+        self._bits = bits
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -84,7 +86,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         layer = self._layer
-        if (  # the serving path: float32 rows [T, K] on int8 activations, few checks
+        if (  # the serving path: float32 rows [T, K] on integer activations, few checks
             layer is not None
             and x.dtype == torch.float32
             and x.dim() == 2
@@ -103,11 +105,12 @@ class QuantLinear(nn.Module):
         if isinstance(w, PackedWeight) and self._qdot is not None:
             if torch.compiler.is_compiling():
                 out = torch.ops.pdserve.qdot(
-                    xf, self.codes, self.scales, self.mins, self.bias, w.n, w.k
+                    xf, self.codes, self.scales, self.mins, self.bias, w.n, w.k, self._bits
                 )
             else:
                 out = torch.empty(xf.shape[0], w.n, dtype=torch.float32)
-                self._qdot.run(xf, w, self.bias, out, self.threads() if self.threads else None)
+                threads = self.threads() if self.threads else None
+                self._qdot.run(xf, w, self.bias, out, threads, bits=self._bits)
         elif self._kernel is None or xf.device.type != "cpu" or isinstance(w, PackedWeight):
             out = self._torch_forward(xf)
         elif torch.compiler.is_compiling():
@@ -124,7 +127,7 @@ class QuantLinear(nn.Module):
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, PackedWeight):
-            raise RuntimeError("an int8-activation layer runs on a CPU, through its kernel")
+            raise RuntimeError("an integer-activation layer runs on a CPU, through its kernel")
         tiles = []
         for start in range(0, self.out_features, TORCH_TILE_ROWS):
             rows = slice(start, start + TORCH_TILE_ROWS)
@@ -137,7 +140,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         path = "kernel" if self._kernel is not None else "torch"
         if self._qdot is not None:
-            path = f"int8 activations, {self._qdot.path}"
+            path = f"int{self._bits} activations, {self._qdot.path}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.weight.name}, {path}"
@@ -190,6 +193,7 @@ def qdot_op(
     bias: torch.Tensor | None,
     n: int,
     k: int,
+    bits: int,
 ) -> torch.Tensor:
     """The integer dot-product kernel as an op torch.compile keeps in a graph (x float32
     [T, k] -> [T, n]); the packed weight's tensors as ``QuantLinear`` holds them."""
@@ -203,7 +207,7 @@ def qdot_op(
     w = PackedWeight(kind, codes, *halves, n, k, kind)
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    kernel.run(x, w, bias, out)
+    kernel.run(x, w, bias, out, bits=bits)
     return out
 
 
@@ -216,6 +220,7 @@ def _qdot_fake(
     bias: torch.Tensor | None,
     n: int,
     k: int,
+    bits: int,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 

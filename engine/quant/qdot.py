@@ -1,7 +1,9 @@
 """Integer dot products for quantized linear layers on the CPU (``cpu_qdot.c``).
 
-    --quant-activations int8     activations quantized per 32 values to int8 (llama.cpp's
-                                 Q8_0), integer dot products with the weights' codes
+    --quant-activations int16    activations quantized per 32 values to int16 (d = max|x| /
+                                 32767), integer dot products with the weights' codes
+    --quant-activations int8     the same in int8 (llama.cpp's Q8_0): twice the arithmetic
+                                 rate, 256 times the rounding
     --quant-activations float32  the weights dequantized to float32 in registers, float
                                  activations (cpu_qlinear.c): exact to the weights
 
@@ -91,7 +93,9 @@ class QDotLayer:
     ``run(x, out, threads)`` on contiguous float32 rows, 5 arguments a call instead of 13
     (a serving step makes ~4 calls a layer: the conversion of arguments showed in its time)."""
 
-    def __init__(self, kernel: QDotKernel, w: PackedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, kernel: QDotKernel, w: PackedWeight, bias: torch.Tensor | None, bits: int
+    ) -> None:
         path = PATHS.index(kernel.path)
         handle = kernel.lib.pdserve_qdot_layer(
             w.k,
@@ -101,6 +105,7 @@ class QDotLayer:
             None if w.mins is None else w.mins.data_ptr(),
             None if bias is None else bias.data_ptr(),
             path,
+            bits,
         )
         if not handle:
             raise MemoryError("quantized dot-product kernel: no memory for a layer")
@@ -108,6 +113,7 @@ class QDotLayer:
         self._tensors = (w, bias)  # what the handle points into, alive as long as it
         self._free = weakref.finalize(self, kernel.lib.pdserve_qdot_free, handle)
         self._handle = handle
+        self.address: int = handle  # the C side's layer (engine/cpu_layers.c calls it)
         self._parallel_rows = max(1, PARALLEL_MIN_WORK // max(1, w.n * w.k))
 
     def run(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
@@ -127,10 +133,10 @@ class QDotKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.pdserve_qdot
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, i64, i32, i32]
+        fn.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, i64, i32, i32, i32]
         fn.restype = i32
         self._fn = fn
-        lib.pdserve_qdot_layer.argtypes = [i64, i64, p, p, p, p, i32]
+        lib.pdserve_qdot_layer.argtypes = [i64, i64, p, p, p, p, i32, i32]
         lib.pdserve_qdot_layer.restype = p
         lib.pdserve_qdot_call.argtypes = [p, p, i64, p, i32]
         lib.pdserve_qdot_call.restype = i32
@@ -142,8 +148,8 @@ class QDotKernel:
         self.paths = tuple(name for i, name in enumerate(PATHS) if granted >> i & 1)
         self.path = _chosen(self.paths)
 
-    def layer(self, w: PackedWeight, bias: torch.Tensor | None) -> QDotLayer:
-        return QDotLayer(self, w, bias)
+    def layer(self, w: PackedWeight, bias: torch.Tensor | None, bits: int = 8) -> QDotLayer:
+        return QDotLayer(self, w, bias, bits)
 
     def run(
         self,
@@ -153,6 +159,7 @@ class QDotKernel:
         out: torch.Tensor,  # [T, N] float32, rows contiguous
         threads: int | None = None,  # None: torch's; 1 below PARALLEL_MIN_WORK either way
         path: str | None = None,  # None: ``self.path``
+        bits: int = 8,  # the activations': 8 or 16
     ) -> None:
         t = x.shape[0]
         threads = threads or torch.get_num_threads()
@@ -172,6 +179,7 @@ class QDotKernel:
             w.n,
             threads,
             PATHS.index(path or self.path),
+            bits,
         )
         if status == -2:
             raise ValueError(f"quantized dot-product path {path!r} is not available here")

@@ -19,10 +19,13 @@ TITLES = {
     "colocated-gguf-1w": "pdserve GGUF 1 worker",
     "disagg": "pdserve disagg fp32",
     "serve-a32": "pdserve make serve, fp32 activations",
+    "serve-own-cores": "pdserve make serve, no lent cores",
+    "serve-a8": "pdserve make serve, int8 activations",
     "serve": "pdserve make serve",
 }
 RATIOS = (
     ("serve", "llamacpp"),
+    ("serve-a8", "llamacpp"),
     ("serve", "vllm"),
     ("serve", "serve-a32"),
     ("colocated-int4", "llamacpp"),

@@ -9,8 +9,10 @@
     colocated-gguf-1w  the GGUF arm as one worker with a thread per core (as llama.cpp runs)
     disagg          pdserve serve --quantization none (1 prefill + 1 decode worker, float32)
     serve           pdserve serve with no flags: what `make serve` starts (1 prefill + 1 decode,
-                    the GGUF kept, int8 activations where the host builds them, cores lent)
+                    the GGUF kept, int16 activations where the host builds them, cores lent)
+    serve-a8        the same on int8 activations (llama.cpp's arithmetic)
     serve-a32       the same on float32 activations and without lent cores (as before issue 41)
+    serve-own-cores the same as serve but each worker on its own thread (--no-lend-cores)
 
 llama.cpp and the GGUF arm serve ``<model dir>/model.gguf`` (or ``--gguf``); a model with none
 skips them. Every server gets the whole machine, in the way it is best used: llama.cpp one
@@ -47,9 +49,18 @@ PDSERVE_FLAGS = {
     "disagg": ["--quantization=none"],
     "serve": [],
     "serve-a32": ["--quant-activations=float32", "--no-lend-cores"],
+    "serve-own-cores": ["--no-lend-cores"],
+    "serve-a8": ["--quant-activations=int8"],
 }
 SERVERS = ("vllm", "llamacpp", *PDSERVE_FLAGS)
-NEEDS_GGUF = ("llamacpp", "colocated-gguf", "colocated-gguf-1w", "serve", "serve-a32")
+NEEDS_GGUF = (
+    "llamacpp",
+    "colocated-gguf",
+    "colocated-gguf-1w",
+    "serve",
+    "serve-a32",
+    "serve-own-cores",
+)
 # the form of the weights each server holds (what a decode step reads, for mbu.step_bytes)
 WEIGHTS = {
     "vllm": "none",
@@ -62,6 +73,8 @@ WEIGHTS = {
     "disagg": "none",
     "serve": "gguf",
     "serve-a32": "gguf",
+    "serve-own-cores": "gguf",
+    "serve-a8": "gguf",
 }
 
 
