@@ -9,10 +9,10 @@ Each worker writes its own slot: its threads once, and before each step whether 
 work. Its quantized layers (the most of a step) then run on its own threads plus those of every
 other worker that is idle now, at most the cores this process may run on. With one or two
 streams and the prefill worker idle, a decode step gets both cores, as llama.cpp gives one
-stream all its threads; a prompt gets the decode worker's core while no stream runs. Asked
-before every kernel call, so a worker that starts a step takes its cores back within one layer
-of the other's. The kernels' results do not depend on their thread count (engine/quant/), so
-lending changes no token.
+stream all its threads (steps of up to ``LEND_ROWS`` rows: many streams' steps, and prompts',
+keep their own). Asked before every kernel call, so a worker that starts a step takes its
+cores back within one layer of the other's. The kernels' results do not depend on their
+thread count (engine/quant/), so lending changes no token.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ SLOTS = 64
 SLOT_BYTES = 64
 BOARD_BYTES = SLOTS * SLOT_BYTES
 REFRESH_S = 1.0  # how often the list of other workers (their slots and threads) is reread
+# Steps of at most this many rows borrow: a few streams' decode steps, short and memory-bound,
+# gain most (1.3-1.4x at 1 and 8 streams, make serve); with 32 streams borrowing lost 10% of
+# the tokens/s (a prompt arrives every few steps and takes its core back mid-step, measured:
+# bench/results/peers_serve.md), and a prompt's own steps are long: neither borrows.
+LEND_ROWS = 16
 
 
 class CoreBoard:
@@ -52,8 +57,11 @@ class CoreBoard:
     def set_busy(self, busy: bool) -> None:
         self._mm[self._at] = 1 if busy else 0
 
-    def threads(self) -> int:
-        """Own threads plus those of every idle worker on the board, at most ``cores``."""
+    def threads(self, rows: int = 1) -> int:
+        """For a call over ``rows`` rows: own threads, plus, for at most ``LEND_ROWS`` rows,
+        those of every idle worker on the board; at most ``cores``."""
+        if rows > LEND_ROWS:
+            return self.own
         now = time.monotonic()
         if now - self._refreshed >= REFRESH_S:
             self._refresh(now)

@@ -185,7 +185,7 @@ class NativeLayers:
             slots.offsets.data_ptr(),
             plan.data.data_ptr(),
             plan.num_seqs,
-            own() if own else threads,
+            own(t) if own else threads,
             threads if big else 1,
             threads,
         )

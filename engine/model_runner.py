@@ -209,8 +209,8 @@ class ModelRunner:
             "" if layout is None else f", tensor-parallel rank {layout.rank} of {layout.size}",
         )
 
-    def kernel_threads(self, threads: Callable[[], int]) -> None:
-        """The quantized layers ask ``threads`` how many threads to use before each call
+    def kernel_threads(self, threads: Callable[[int], int]) -> None:
+        """The quantized layers ask ``threads(rows)`` how many threads to use before each call
         (engine/core_board.py: the cores other workers leave idle); their results do not
         depend on it."""
         from pdserve.engine.quant.linear import QuantLinear

@@ -38,6 +38,7 @@ def test_an_idle_worker_lends_its_threads_and_takes_them_back(tmp_path: Path, tw
     assert decode.threads() == 2 and prefill.threads() == 2  # both idle: each may take both
     decode.set_busy(True)
     assert decode.threads() == 2 and prefill.threads() == 1
+    assert decode.threads(16) == 2 and decode.threads(17) == 1  # many streams keep their own
     prefill.set_busy(True)  # a prompt arrives: its core is back on the decode's next call
     assert decode.threads() == 1
     prefill.close()  # gone: counted busy, its core never borrowed on a stale flag

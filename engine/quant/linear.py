@@ -53,8 +53,8 @@ class QuantLinear(nn.Module):
         self._qdot: QDotKernel | None = None
         self._layer: QDotLayer | None = None  # the integer path's constants, held by the kernel
         self._bits = 0  # its activations' bits
-        # the threads a kernel call may use now (engine/core_board.py); None: torch's count
-        self.threads: Callable[[], int] | None = None
+        # the threads a call over so many rows may use now (engine/core_board.py); None: torch's
+        self.threads: Callable[[int], int] | None = None
         if self._kernel is None:
             _log_torch_path_once(weight.data.device)
 
@@ -95,7 +95,7 @@ class QuantLinear(nn.Module):
             and not torch.compiler.is_compiling()
         ):
             out = torch.empty(x.shape[0], self.out_features)
-            layer.run(x, out, self.threads() if self.threads else torch.get_num_threads())
+            layer.run(x, out, self.threads(x.shape[0]) if self.threads else torch.get_num_threads())
             return out
         dtype, lead = x.dtype, x.shape[:-1]
         xf = x.reshape(-1, self.in_features).float()  # [T, K]; a view when it can be
@@ -109,7 +109,7 @@ class QuantLinear(nn.Module):
                 )
             else:
                 out = torch.empty(xf.shape[0], w.n, dtype=torch.float32)
-                threads = self.threads() if self.threads else None
+                threads = self.threads(xf.shape[0]) if self.threads else None
                 self._qdot.run(xf, w, self.bias, out, threads, bits=self._bits)
         elif self._kernel is None or xf.device.type != "cpu" or isinstance(w, PackedWeight):
             out = self._torch_forward(xf)
@@ -120,7 +120,8 @@ class QuantLinear(nn.Module):
             )
         else:
             out = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
-            self._kernel.run(xf, w, self.bias, out, self.threads() if self.threads else None)
+            threads = self.threads(xf.shape[0]) if self.threads else None
+            self._kernel.run(xf, w, self.bias, out, threads)
         out = out.reshape(*lead, self.out_features)
         return out if dtype == torch.float32 else out.to(dtype)
 
