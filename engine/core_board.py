@@ -9,10 +9,10 @@ Each worker writes its own slot: its threads once, and before each step whether 
 work. Its quantized layers (the most of a step) then run on its own threads plus those of every
 other worker that is idle now, at most the cores this process may run on. With one or two
 streams and the prefill worker idle, a decode step gets both cores, as llama.cpp gives one
-stream all its threads (steps of up to ``LEND_ROWS`` rows: many streams' steps, and prompts',
-keep their own). Asked before every kernel call, so a worker that starts a step takes its
-cores back within one layer of the other's. The kernels' results do not depend on their
-thread count (engine/quant/), so lending changes no token.
+stream all its threads (a decode worker's steps of up to ``DECODE_LEND_ROWS`` rows: many
+streams' steps keep their own threads). Asked before every kernel call, so a worker that
+starts a step takes its cores back within one layer of the other's. The kernels' results do
+not depend on their thread count (engine/quant/), so lending changes no token.
 """
 
 from __future__ import annotations
@@ -27,17 +27,21 @@ SLOTS = 64
 SLOT_BYTES = 64
 BOARD_BYTES = SLOTS * SLOT_BYTES
 REFRESH_S = 1.0  # how often the list of other workers (their slots and threads) is reread
-# Steps of at most this many rows borrow: a few streams' decode steps, short and memory-bound,
-# gain most (1.3-1.4x at 1 and 8 streams, make serve); with 32 streams borrowing lost 10% of
-# the tokens/s (a prompt arrives every few steps and takes its core back mid-step, measured:
-# bench/results/peers_serve.md), and a prompt's own steps are long: neither borrows.
-LEND_ROWS = 16
+# A decode worker's steps of at most this many rows borrow: a few streams' steps gain most; with
+# 32 streams borrowing lost 10% of make serve's tokens/s (a prompt arrives every few steps and
+# takes its core back mid-step: bench/results/peers_serve.md). A prefill worker's steps always
+# may (with 1 and 8 streams its prompts on both cores were most of the gain, measured).
+DECODE_LEND_ROWS = 16
 
 
 class CoreBoard:
     """This worker's slot on a board, and the threads it may run on now (``threads``)."""
 
-    def __init__(self, path: Path, slot: int, own_threads: int) -> None:
+    def __init__(
+        self, path: Path, slot: int, own_threads: int, max_rows: int | None = None
+    ) -> None:
+        """``max_rows``: calls over more rows than this keep to ``own_threads`` (None: any
+        call may borrow)."""
         if not 0 <= slot < SLOTS:
             raise ValueError(f"core board slot must be in [0, {SLOTS}), got {slot}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -48,6 +52,7 @@ class CoreBoard:
         finally:
             os.close(fd)
         self.path, self.slot, self.own = path, slot, max(1, own_threads)
+        self.max_rows = max_rows
         self._at = slot * SLOT_BYTES
         self.cores = len(os.sched_getaffinity(0))
         struct.pack_into("<BxxxII", self._mm, self._at, 1, self.own, os.getpid())
@@ -58,9 +63,9 @@ class CoreBoard:
         self._mm[self._at] = 1 if busy else 0
 
     def threads(self, rows: int = 1) -> int:
-        """For a call over ``rows`` rows: own threads, plus, for at most ``LEND_ROWS`` rows,
-        those of every idle worker on the board; at most ``cores``."""
-        if rows > LEND_ROWS:
+        """For a call over ``rows`` rows: own threads, plus (within ``max_rows``) those of
+        every idle worker on the board; at most ``cores``."""
+        if self.max_rows is not None and rows > self.max_rows:
             return self.own
         now = time.monotonic()
         if now - self._refreshed >= REFRESH_S:

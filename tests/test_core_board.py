@@ -28,7 +28,7 @@ def two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_an_idle_worker_lends_its_threads_and_takes_them_back(tmp_path: Path, two_cores) -> None:
     path = tmp_path / "cores"
-    decode = CoreBoard(path, 1, 1)
+    decode = CoreBoard(path, 1, 1, max_rows=16)
     assert path.stat().st_size == BOARD_BYTES
     assert decode.threads() == 1  # alone on the board: its own thread
     prefill = CoreBoard(path, 0, 1)  # a new worker starts busy (loading, its first step)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.engine.config import ConfigError, EngineConfig
-from pdserve.engine.core_board import CoreBoard
+from pdserve.engine.core_board import DECODE_LEND_ROWS, CoreBoard
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_memory import ROLE_SHARES
 from pdserve.kvtransfer.base import KVReceiver, KVSender
@@ -94,7 +94,8 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
     step = worker.step
     board = None
     if args.core_board is not None:
-        board = CoreBoard(args.core_board, args.core_slot, engine.config.threads or 1)
+        rows = None if role == "prefill" else DECODE_LEND_ROWS
+        board = CoreBoard(args.core_board, args.core_slot, engine.config.threads or 1, rows)
         engine.runner.kernel_threads(board.threads)
         step = _on_board(worker.step, engine, board)
     health.serving(worker, liveness, ctx, args.coordinator)
