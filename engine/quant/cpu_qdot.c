@@ -1,7 +1,8 @@
 /* Quantized linear layers by integer dot products on the CPU: y[T, N] = x[T, K] W^T (+ bias).
  *
- * The activations are quantized on the fly as llama.cpp's Q8_0: per row, per 32 values,
- *     d = max|x| / 127,  q = round(x / d) (to nearest even, via x * (1 / d)),  int8
+ * The activations are quantized on the fly, per row, per 32 values (bits = 8: llama.cpp's
+ * Q8_0; bits = 16: the same in int16, 1/256 of its rounding),
+ *     d = max|x| / 127 (int16: / 32767),  q = round(x / d) (to nearest even, via x * (1 / d))
  * and each 32-weight block's products are summed in integers, exactly, then scaled once:
  *
  *     y[t, n] = sum over blocks b, in order:
@@ -21,11 +22,13 @@
  * Every path (AVX-512 VNNI, AVX-VNNI, AVX2, plain C) therefore gives the same bits, and a
  * row's result depends neither on T, the tile, nor the thread count: batch invariant.
  *
- * u8 x s8 products: VNNI (vpdpbusd) takes the nibble codes as the unsigned operand; an i8
- * weight is made unsigned by w ^ 0x80 = w + 128, its sum corrected by 128 * sumq (exact).
+ * int8, u8 x s8 products: VNNI (vpdpbusd) takes the nibble codes as the unsigned operand; an
+ * i8 weight is made unsigned by w ^ 0x80 = w + 128, its sum corrected by 128 * sumq (exact).
  * Plain AVX2 (vpmaddubsw, int16 pairs that saturate) takes |w| and x with w's sign for i8,
  * and for u4 (pairs at most 2 * 15 * 127) sums 8 chunks in int16 before widening: exact.
- * Built by engine/quant/kernel_build in the engine's way (engine/native_build.py,
+ * int16: the codes widened to int16, pairs of products by vpdpwssd / vpmaddwd (a row's two
+ * lanes added at the block's end): every sum fits int32 (32 x 32767 x 255), exact too.
+ * Built by engine/quant/qdot.py in the engine's way (engine/native_build.py,
  * -O3 -march=native -fopenmp, no -ffast-math); AMX is not used.
  */
 #include <math.h>
