@@ -75,41 +75,26 @@ static inline float half_to_float(uint16_t h) {
 
 /* ---- activations ---------------------------------------------------------------------- */
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *xs, int32_t *sq) {
+/* One row's activations, block by block: q (into q8, or q16 when given), d, xs and sq. */
+static void quantize_row(const float *x, int64_t K, int8_t *q8, int16_t *q16, float *d, float *xs,
+                         int32_t *sq) {
+    const float top = q16 ? 32767.0f : 127.0f;
     for (int64_t b = 0; b < K / BK; b++) {
         const float *v = x + b * BK;
         float amax = 0.0f;
         for (int i = 0; i < BK; i++) amax = fmaxf(amax, fabsf(v[i]));
-        float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+        float db = amax / top, inv = db > 0.0f ? 1.0f / db : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < BK; i++) {
             float r = nearbyintf(v[i] * inv);
-            int32_t qi = r >= -127.0f && r <= 127.0f ? (int32_t)r : (r > 0.0f ? 127 : -127);
-            q[b * BK + i] = (int8_t)qi;
+            int32_t qi = r >= -top && r <= top ? (int32_t)r : (r > 0.0f ? (int32_t)top : -(int32_t)top);
+            if (q16) q16[b * BK + i] = (int16_t)qi;
+            else q8[b * BK + i] = (int8_t)qi;
             sum += qi;
         }
         d[b] = db;
         xs[b] = db * (float)sum;
-        sq[b] = 128 * sum;
-    }
-}
-
-/* int16 activations: d = max|x| / 32767, q = round(x / d) as above; no offset correction */
-static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *xs) {
-    for (int64_t b = 0; b < K / BK; b++) {
-        const float *v = x + b * BK;
-        float amax = 0.0f;
-        for (int i = 0; i < BK; i++) amax = fmaxf(amax, fabsf(v[i]));
-        float db = amax / 32767.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < BK; i++) {
-            float r = nearbyintf(v[i] * inv);
-            int32_t qi = r >= -32767.0f && r <= 32767.0f ? (int32_t)r : (r > 0.0f ? 32767 : -32767);
-            q[b * BK + i] = (int16_t)qi;
-            sum += qi;
-        }
-        d[b] = db;
-        xs[b] = db * (float)sum;
+        sq[b] = 128 * sum; /* int8's offset correction (unused for int16; fits int32 either way) */
     }
 }
 
@@ -435,12 +420,9 @@ static int qdot(const layer *l, const float *x, int64_t x_stride, int64_t T, flo
     if (threads < 1) threads = 1;
     int par_rows = T >= 8 * threads ? threads : 1;
 #pragma omp parallel for num_threads(par_rows) if (par_rows > 1) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        if (q16)
-            quantize_row16(x + t * x_stride, K, q16 + t * K, d + t * nb, xs + t * nb);
-        else
-            quantize_row(x + t * x_stride, K, q + t * K, d + t * nb, xs + t * nb, sq + t * nb);
-    }
+    for (int64_t t = 0; t < T; t++)
+        quantize_row(x + t * x_stride, K, q ? q + t * K : NULL, q16 ? q16 + t * K : NULL,
+                     d + t * nb, xs + t * nb, sq + t * nb);
     acts a = {q, q16, d, xs, sq, K, nb};
     int th = tile_rows(l->path);
 #pragma omp parallel num_threads(threads) if (threads > 1)
