@@ -64,17 +64,21 @@ class CoreBoard:
 
     def threads(self, rows: int = 1) -> int:
         """For a call over ``rows`` rows: own threads, plus (within ``max_rows``) those of
-        every idle worker on the board; at most ``cores``."""
+        every idle worker on the board, as far as the cores the busy ones leave allow."""
         if self.max_rows is not None and rows > self.max_rows:
             return self.own
         now = time.monotonic()
         if now - self._refreshed >= REFRESH_S:
             self._refresh(now)
-        mm, count = self._mm, self.own
+        mm, idle, busy = self._mm, 0, 0
         for at, threads in self._others:
-            if not mm[at]:
-                count += threads
-        return min(count, self.cores)
+            if mm[at]:
+                busy += threads
+            else:
+                idle += threads
+        # never more threads than the cores the busy workers leave: with more workers than
+        # cores (autoscaling), an idle worker's share is not a free core
+        return max(self.own, min(self.own + idle, self.cores - busy))
 
     def _refresh(self, now: float) -> None:
         others = []

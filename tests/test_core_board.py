@@ -48,9 +48,12 @@ def test_an_idle_worker_lends_its_threads_and_takes_them_back(tmp_path: Path, tw
 def test_threads_are_capped_at_the_cores_this_process_may_use(tmp_path: Path, two_cores) -> None:
     path = tmp_path / "cores"
     me = CoreBoard(path, 3, 1)
-    for slot in (0, 1, 2):
-        CoreBoard(path, slot, 2).set_busy(False)
-    assert me.threads() == 2  # 1 + 6 idle, but two cores here
+    others = [CoreBoard(path, slot, 1) for slot in (0, 1, 2)]
+    for other in others:
+        other.set_busy(False)
+    assert me.threads() == 2  # 1 + 3 idle, but two cores here
+    others[0].set_busy(True)  # more workers than cores (autoscaling): one busy takes a core
+    assert me.threads() == 1  # two idle, yet no core free beside the busy one and this one
     with pytest.raises(ValueError, match="slot must be in"):
         CoreBoard(path, core_board.SLOTS, 1)
 
