@@ -50,7 +50,7 @@ typecheck: $(STAMP)
 	  --config-file "$(CURDIR)/pyproject.toml" --python-executable "$(CURDIR)/$(PY)" $(TYPED)
 
 # Two pytest workers (pytest-xdist), each module's tests on one of them so a module's cluster
-# is started once: 767-922 s on this 2-core machine (2026-11-29 15:00, 2,107 tests; 569-979 s on
+# is started once: 590 s on this 2-core machine (2026-11-29 15:40, 2,107 tests; 569-979 s on
 # other runs, by the host's speed: README).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) typecheck
