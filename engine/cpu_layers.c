@@ -27,8 +27,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PARALLEL_MIN_WORK (1 << 18) /* weights x rows below which a layer runs on one thread */
-
 typedef void (*norm_fn)(float *, const float *, const float *, float *, int64_t, int64_t,
                         int64_t, float, int);
 typedef int (*qdot_fn)(const void *, const float *, int64_t, float *, int);
@@ -102,14 +100,10 @@ void pdserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *
 
 /* ---- the layers --------------------------------------------------------------------------- */
 
-static int threads_for(int64_t n, int64_t k, int64_t rows, int threads) {
-    return n * k * rows >= PARALLEL_MIN_WORK ? threads : 1;
-}
-
 /* x [T, hidden]: the step's embeddings, the residual stream after (updated in place); out
  * [T, hidden]: the final norm's input normed (its weight final_norm); cos, sin [T, head_dim];
  * blocks, offsets [T]: each row's new K/V slot; plan: the attention kernel's (KernelPlan);
- * qdot_threads: the quantized layers' threads now, attn_threads the attention's, norm_threads
+ * qdot_threads: the quantized layers' threads now (one for a small layer: the kernel's rule), attn_threads the attention's, norm_threads
  * the norms' and rope's. Returns 0, -1 for no memory. */
 int pdserve_decode_layers(const model *m, const layer *layers, int num_layers, float *x,
                           int64_t T, const float *final_norm, float *out, const float *cos,
@@ -127,7 +121,7 @@ int pdserve_decode_layers(const model *m, const layer *layers, int num_layers, f
     for (int l = 0; l < num_layers && !status; l++) {
         const layer *ly = &layers[l];
         m->norm(x, l ? pending : NULL, ly->in_norm, h, T, E, E, m->eps, norm_threads);
-        status |= m->qdot(ly->qkv, h, T, qkv, threads_for(row, E, T, qdot_threads));
+        status |= m->qdot(ly->qkv, h, T, qkv, qdot_threads);
         m->rope(qkv, T, row, H + KV, D, cos, sin, m->rope_fma, norm_threads);
         for (int64_t t = 0; t < T; t++) /* K and V rows into their slot, as written */
             for (int sel = 0; sel < 2; sel++) {
@@ -136,11 +130,11 @@ int pdserve_decode_layers(const model *m, const layer *layers, int num_layers, f
             }
         m->attn(qkv, row, ly->kv, plan, num_seqs, (int)H, (int)KV, (int)D, (int)bs, m->scale, att,
                 H * D, 0, 0, attn_threads);
-        status |= m->qdot(ly->o, att, T, o, threads_for(E, H * D, T, qdot_threads));
+        status |= m->qdot(ly->o, att, T, o, qdot_threads);
         m->norm(x, o, ly->post_norm, h, T, E, E, m->eps, norm_threads);
-        status |= m->qdot(ly->gate_up, h, T, gu, threads_for(2 * I, E, T, qdot_threads));
+        status |= m->qdot(ly->gate_up, h, T, gu, qdot_threads);
         pdserve_silu_mul(gu, T, I, act, m->silu_step);
-        status |= m->qdot(ly->down, act, T, pending, threads_for(E, I, T, qdot_threads));
+        status |= m->qdot(ly->down, act, T, pending, qdot_threads);
     }
     if (!status) m->norm(x, num_layers ? pending : NULL, final_norm, out, T, E, E, m->eps, norm_threads);
     free(buf);

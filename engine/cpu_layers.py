@@ -115,21 +115,22 @@ class NativeLayers:
         """The model's layers for the C loop; None where it does not take them (docstring)."""
         cfg = model.config
         layers = model.decoder_layers()
-        found = _library()
-        qdot, norm, rope = load_qdot(), cpu_norm._kernel(), cpu_rope.kernel()
-        attn = cpu_kernel.load_kernel()
-        if found is None or qdot is None or norm is None or rope is None or attn is None:
-            return None
-        ok = (
+        handles = [_handles(layer) for layer in layers]
+        ok = (  # the model first: a model it cannot take builds no library
             len(layers) == len(model.layers) == len(kv_layers)
             and model.embed_tokens.weight.dtype == torch.float32
             and model.embed_tokens.weight.device.type == "cpu"
             and cfg.head_dim % 16 == 0
             and all(kv.dtype == torch.float32 and kv.is_contiguous() for kv in kv_layers)
             and all(_takes(layer) for layer in layers)
+            and all(h is not None for h in handles)
         )
-        handles = [_handles(layer) for layer in layers]
         if not ok:
+            return None
+        found = _library()
+        qdot, norm, rope = load_qdot(), cpu_norm._kernel(), cpu_rope.kernel()
+        attn = cpu_kernel.load_kernel()
+        if found is None or qdot is None or norm is None or rope is None or attn is None:
             return None
         lib, step = found
         block_size = kv_layers[0].shape[2]
@@ -214,6 +215,5 @@ def _takes(layer: DecoderLayer) -> bool:
         attn.q_norm is None
         and attn.reduce is None
         and mlp.reduce is None
-        and _handles(layer) is not None
         and all(w.dtype == torch.float32 and w.is_contiguous() and w.is_cpu for w in norms)
     )

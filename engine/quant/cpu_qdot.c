@@ -37,6 +37,7 @@
 #include <string.h>
 
 #define ROWS 16 /* weight rows a group interleaves (one 512-bit vector of int32) */
+#define PARALLEL_MIN_WORK (1 << 18) /* N * K * T below which one thread does the layer */
 #define BK 32   /* weights per block */
 
 enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVXVNNI = 2, PATH_AVX512VNNI = 3 };
@@ -417,7 +418,7 @@ static int qdot(const layer *l, const float *x, int64_t x_stride, int64_t T, flo
     int8_t *q = l->bits == 8 ? (int8_t *)(sq + T * nb) : NULL;
     int16_t *q16 = l->bits == 16 ? (int16_t *)(sq + T * nb) : NULL;
     if (threads > groups) threads = (int)groups;
-    if (threads < 1) threads = 1;
+    if (threads < 1 || N * K * T < PARALLEL_MIN_WORK) threads = 1; /* waking one costs more */
     int par_rows = T >= 8 * threads ? threads : 1;
 #pragma omp parallel for num_threads(par_rows) if (par_rows > 1) schedule(static)
     for (int64_t t = 0; t < T; t++)

@@ -50,9 +50,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias_bits", bits, persistent=False)  # float32, kept as such
         on_cpu = weight.data.device.type == "cpu"
         self._kernel: QLinearKernel | None = load_kernel() if on_cpu else None
-        self._qdot: QDotKernel | None = None
-        self._layer: QDotLayer | None = None  # the integer path's constants, held by the kernel
-        self._bits = 0  # its activations' bits
+        self._layer: QDotLayer | None = None  # the integer path: constants, kernel, bits
         # the threads a call over so many rows may use now (engine/core_board.py); None: torch's
         self.threads: Callable[[int], int] | None = None
         if self._kernel is None:
@@ -68,9 +66,7 @@ class QuantLinear(nn.Module):
         self.codes = packed.codes
         self.scales = packed.scales.view(torch.int16)
         self.mins = None if packed.mins is None else packed.mins.view(torch.int16)
-        self._qdot = kernel
         self._layer = kernel.layer(packed, self.bias, bits)
-        self._bits = bits
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -102,15 +98,15 @@ class QuantLinear(nn.Module):
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
         w = self.weight
-        if isinstance(w, PackedWeight) and self._qdot is not None:
+        if isinstance(w, PackedWeight) and layer is not None:
             if torch.compiler.is_compiling():
                 out = torch.ops.pdserve.qdot(
-                    xf, self.codes, self.scales, self.mins, self.bias, w.n, w.k, self._bits
+                    xf, self.codes, self.scales, self.mins, self.bias, w.n, w.k, layer.bits
                 )
             else:
                 out = torch.empty(xf.shape[0], w.n, dtype=torch.float32)
                 threads = self.threads(xf.shape[0]) if self.threads else None
-                self._qdot.run(xf, w, self.bias, out, threads, bits=self._bits)
+                layer.kernel.run(xf, w, self.bias, out, threads, bits=layer.bits)
         elif self._kernel is None or xf.device.type != "cpu" or isinstance(w, PackedWeight):
             out = self._torch_forward(xf)
         elif torch.compiler.is_compiling():
@@ -140,8 +136,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         path = "kernel" if self._kernel is not None else "torch"
-        if self._qdot is not None:
-            path = f"int{self._bits} activations, {self._qdot.path}"
+        if self._layer is not None:
+            path = f"int{self._layer.bits} activations, {self._layer.kernel.path}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.weight.name}, {path}"

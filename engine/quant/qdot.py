@@ -37,7 +37,6 @@ SOURCE = Path(__file__).with_name("cpu_qdot.c")
 ROWS = 16  # weight rows a group interleaves
 PATHS = ("c", "avx2", "avx-vnni", "avx512-vnni")  # the C file's PATH_* order: worst to best
 PATH_ENV = "PDSERVE_QDOT_PATH"  # tests: force a path the host has (e.g. avx2 on a VNNI host)
-PARALLEL_MIN_WORK = 1 << 18  # N * K * T below which one thread does the layer
 
 
 @dataclass(frozen=True)
@@ -114,14 +113,12 @@ class QDotLayer:
         self._free = weakref.finalize(self, kernel.lib.pdserve_qdot_free, handle)
         self._handle = handle
         self.address: int = handle  # the C side's layer (engine/cpu_layers.c calls it)
-        self._parallel_rows = max(1, PARALLEL_MIN_WORK // max(1, w.n * w.k))
+        self.kernel, self.bits = kernel, bits
 
     def run(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
         """x [T, K] and out [T, N] float32, contiguous; ``threads`` at most (one for a small
-        layer, as ``QDotKernel.run``)."""
+        layer: the kernel's own rule)."""
         t = x.shape[0]
-        if t < self._parallel_rows:
-            threads = 1
         if self._call(self._handle, x.data_ptr(), t, out.data_ptr(), threads):
             raise MemoryError(f"quantized dot-product kernel: no memory for {t} activation rows")
 
@@ -157,14 +154,12 @@ class QDotKernel:
         w: PackedWeight,
         bias: torch.Tensor | None,  # [N] float32
         out: torch.Tensor,  # [T, N] float32, rows contiguous
-        threads: int | None = None,  # None: torch's; 1 below PARALLEL_MIN_WORK either way
+        threads: int | None = None,  # None: torch's; one for a small layer (the C's rule)
         path: str | None = None,  # None: ``self.path``
         bits: int = 8,  # the activations': 8 or 16
     ) -> None:
         t = x.shape[0]
         threads = threads or torch.get_num_threads()
-        if w.n * w.k * t < PARALLEL_MIN_WORK:
-            threads = 1
         status = self._fn(
             x.data_ptr(),
             x.stride(0),
