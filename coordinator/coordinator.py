@@ -223,6 +223,10 @@ class Coordinator:
             self.decisions["colocated"] += req.n
             self.local.run_colocated(req, now)
             return
+        if req.sampling.max_tokens == 0:  # only the prompt's logprobs: nothing decodes
+            self.decisions["scored"] += req.n
+            self.local.score(req, now)
+            return
         reason = self.local.prefill_on_decode(req, now)
         self.decisions[reason.value if reason is not None else "disaggregated"] += req.n
         if reason is None:

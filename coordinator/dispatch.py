@@ -6,7 +6,8 @@
                tenants' fair shares, then priority and arrival; bounded by the
                ``AdmissionPolicy``, a full queue refusing its lowest tier first) until
                heartbeats and ticks show blocks back; a refusal asks another decode worker.
-    local      one worker runs both phases, no transfer (``LocalPrefill``): conditional
+    local      one worker runs both phases, no transfer (``LocalPrefill``): a prompt only
+               scored (``max_tokens`` 0, on a prefill worker: no decode blocks), conditional
                disaggregation (a short uncached prompt, or a busy prefill pool, goes to its
                decode worker to prefill itself: the ``ConditionalDisaggPolicy`` decides), a
                colocated pool, and a choice resuming on another worker after its own died
@@ -233,6 +234,21 @@ class LocalPrefill:
             len(req.resume_token_ids),
         )
         self._run_local(req, worker.worker_id, now, choice, list(req.resume_token_ids))
+
+    def score(self, req: m.Generate, now: float) -> None:
+        """``max_tokens`` 0: the prompt is only scored (its logprobs) and nothing decodes: a
+        prefill worker runs it, no decode blocks reserved; with none, a decode worker
+        prefills it itself."""
+        shared, prompt = self.shared, req.prompt_token_ids
+        avoid = shared.avoid(now)
+        worker = self.placement.pick_prefill(req.model, prompt, avoid)
+        if worker is None:
+            need = fork_blocks(len(prompt), 1, self.placement.block_size(req.model))
+            worker = self.placement.pick_decode(req.model, need, avoid, prompt, 0)
+        if worker is None:
+            shared.error_to(req, 503, f"model {req.model} has no worker free for this prompt")
+            return
+        self._run_local(req, worker.worker_id, now)
 
     def run_colocated(self, req: m.Generate, now: float) -> None:
         """A pool whose workers all run both phases: the least busy one takes the request."""

@@ -68,6 +68,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # the prompt's logprobs (tokens 1..), once, on the output that follows its last chunk
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -232,6 +234,13 @@ class LLMEngine:
             self.recomputed_tokens += max(0, min(done + n, seq.recompute_until) - done)
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq, seq.draft_lag)
+        for (seq, *_), scored in zip(inputs.scored, inputs.prompt_logprobs, strict=True):
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs += scored
+        for seq in batch.seqs:  # max_tokens 0: its prompt scored, it ends with no token
+            if seq.params.max_tokens == 0 and seq.num_uncomputed_tokens == 0:
+                self.requests.finish_scored(seq)
+                outputs.append(self._output(seq))
         if inputs.sample_seqs:
             plain, plain_logits, checks = split_rows(inputs, logits)
             if plain:
@@ -269,7 +278,11 @@ class LLMEngine:
         new_tokens = seq.token_ids[seq.num_prompt_tokens + start :]
         new_logprobs = seq.output_logprobs[start:] if seq.params.logprobs is not None else []
         seq.num_returned_tokens = seq.num_output_tokens
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.scoring_prompt and not seq.prompt_scored:
+            prompt_logprobs, seq.prompt_scored = seq.prompt_logprobs, True
         return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id,
             new_token_ids=new_tokens,
             new_logprobs=new_logprobs,
@@ -304,6 +317,7 @@ class LLMEngine:
                 acc = results[out.request_id]
                 acc.new_token_ids += out.new_token_ids
                 acc.new_logprobs += out.new_logprobs
+                acc.prompt_logprobs = out.prompt_logprobs or acc.prompt_logprobs
                 acc.finished, acc.finish_reason = out.finished, out.finish_reason
                 acc.stop_reason = out.stop_reason
                 acc.num_prompt_tokens, acc.num_cached_tokens = (

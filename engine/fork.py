@@ -73,6 +73,8 @@ class Forks:
         token 0.
         """
         check_choices(request_ids, len(params))
+        if len(request_ids) > 1 and params[0].prompt_logprobs is not None:
+            raise ValueError("prompt logprobs (echo, prompt_logprobs) are for one choice (n=1)")
         if (
             prompt_id in request_ids
             or prompt_id in self.requests

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +22,9 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu_layers import NativeLayers
 from pdserve.engine.loader import load_model
 from pdserve.engine.quant.activations import set_activations
+from pdserve.engine.sampler import token_logprobs
 from pdserve.engine.scheduler import Sequence
+from pdserve.protocol.messages import TokenLogprob
 
 if TYPE_CHECKING:  # imported when used: --compile, CUDA and tensor parallelism only
     from pdserve.engine.compile import CompiledDecode
@@ -31,6 +33,8 @@ if TYPE_CHECKING:  # imported when used: --compile, CUDA and tensor parallelism 
     from pdserve.engine.tp.staging import KVStaging
 
 logger = logging.getLogger(__name__)
+
+SCORE_ROWS = 256  # prompt positions scored at once: [256, V] float32 logits
 
 
 @dataclass
@@ -47,6 +51,11 @@ class StepInputs:
     # rows of logits each of sample_seqs has, in order: 1, or 1 + its drafts (a verification
     # reads every position: engine/spec/verify.py); empty: one each
     rows_per_seq: list[int] | None = None
+    # prompt positions scored this step (``Sequence.prompt_logprobs``): (sequence, its first
+    # row in the token batch, that row's position, rows); a row scores the token after it
+    scored: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    # ``execute`` fills it: each scored entry's logprobs, in order
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
 
 class StepBuffers:
@@ -282,10 +291,17 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         rows_per_seq: list[int] = []
+        scored: list[tuple[Sequence, int, int, int]] = []
         num_tokens = 0
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + n
+            if seq.scoring_prompt and seq.prompt_logprobs is not None:
+                # position p scores prompt token p + 1; those scored before are not again
+                first = max(start, len(seq.prompt_logprobs))
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    scored.append((seq, num_tokens + first - start, first, last - first))
             num_tokens += n
             drafts = seq.spec_tokens if end > seq.num_tokens else []
             input_ids.extend(seq.token_ids[start:end] if not drafts else [seq.last_token_id])
@@ -295,7 +311,8 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             tables.append(table)
-            if end == seq.num_tokens + len(drafts):  # all computed: the last logits are needed
+            # all computed: the last logits are needed (not for a prompt only scored)
+            if end == seq.num_tokens + len(drafts) and seq.params.max_tokens > 0:
                 wanted = 1 + len(drafts)
                 logits_rows.extend(range(num_tokens - wanted, num_tokens))
                 sample_seqs.append(seq)
@@ -310,7 +327,14 @@ class ModelRunner:
         )
         spec = len(logits_rows) > len(sample_seqs)
         return StepInputs(
-            ids, pos, metadata, logits_rows, sample_seqs, rows, rows_per_seq if spec else None
+            ids,
+            pos,
+            metadata,
+            logits_rows,
+            sample_seqs,
+            rows,
+            rows_per_seq if spec else None,
+            scored=scored,
         )
 
     @torch.inference_mode()
@@ -344,7 +368,24 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, layers, self.backend
             )
             hidden = eager
+        if inputs.scored:
+            inputs.prompt_logprobs = [self._score(hidden, *entry) for entry in inputs.scored]
         return self.model.compute_logits(hidden[inputs.logits_index])
+
+    def _score(
+        self, hidden: torch.Tensor, seq: Sequence, row: int, first: int, rows: int
+    ) -> list[TokenLogprob]:
+        """Logprobs of the prompt tokens after positions ``first ..`` of ``seq`` (token-batch
+        rows ``row ..`` of hidden [T, H]), a slice of rows at a time: the logits of a long
+        chunk at once would be [rows, V] float32."""
+        k = seq.params.prompt_logprobs or 0
+        out: list[TokenLogprob] = []
+        for at in range(0, rows, SCORE_ROWS):
+            count = min(SCORE_ROWS, rows - at)
+            logits = self.model.compute_logits(hidden[row + at : row + at + count])
+            targets = seq.token_ids[first + at + 1 : first + at + 1 + count]
+            out += token_logprobs(logits, targets, [k] * count)
+        return out
 
 
 def _draft_config(config: EngineConfig) -> ModelConfig | None:

@@ -98,6 +98,9 @@ class RequestTable(Mapping[RequestId, Sequence]):
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context length of {self.max_model_len} tokens"
             )
+        params.check_prompt_logprobs(len(prompt_token_ids))
+        if params.prompt_logprobs is not None and choices > 1:
+            raise ValueError("prompt logprobs (echo, prompt_logprobs) are for one choice (n=1)")
         num_blocks, block_size = self.blocks.num_blocks, self.blocks.block_size
         need = fork_blocks(len(prompt_token_ids), choices, block_size)
         if need > num_blocks:
@@ -115,6 +118,8 @@ class RequestTable(Mapping[RequestId, Sequence]):
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = []
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         if params.structured is not None:
@@ -133,6 +138,7 @@ class RequestTable(Mapping[RequestId, Sequence]):
         if not generated:
             raise ValueError("a continued request needs at least one generated token")
         seq = self.new(request_id, prompt_token_ids, params)
+        seq.prompt_logprobs = None  # scored, if asked, where its first tokens were drawn
         seq.token_ids.extend(generated)
         seq.num_returned_tokens = len(generated)
         if seq.matcher is not None:
@@ -170,12 +176,21 @@ class RequestTable(Mapping[RequestId, Sequence]):
         ):
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is not None:
-            if not seq.hold_kv:  # a prefill worker's token 0 says nothing of output lengths
-                self.output_lengths.finished(seq.num_output_tokens)
-            self.live.pop(seq.request_id, None)
-            self.scheduler.finish(seq, free=not seq.hold_kv)
-            if seq.hold_kv:
-                self.held[seq.request_id] = seq
+            self._finished(seq)
+
+    def finish_scored(self, seq: Sequence) -> None:
+        """End a ``max_tokens`` 0 sequence whose prompt is computed (and scored): no token."""
+        seq.finish_reason = FinishReason.LENGTH
+        self._finished(seq)
+
+    def _finished(self, seq: Sequence) -> None:
+        """Out of the table and the scheduler; a ``hold_kv`` sequence keeps its blocks."""
+        if not seq.hold_kv:  # a prefill worker's token 0 says nothing of output lengths
+            self.output_lengths.finished(seq.num_output_tokens)
+        self.live.pop(seq.request_id, None)
+        self.scheduler.finish(seq, free=not seq.hold_kv)
+        if seq.hold_kv:
+            self.held[seq.request_id] = seq
 
     def end(self, seq: Sequence) -> None:
         """Abort a live sequence: out of the table and the scheduler, blocks freed."""

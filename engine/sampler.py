@@ -54,7 +54,7 @@ class Sampler:
             sampled = self._sample(logits, seqs)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, seqs, tokens, token_list))
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
 
     # ---- logits processing --------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -105,7 +105,6 @@ class Sampler:
         self,
         raw: torch.Tensor,
         seqs: list[Sequence],
-        tokens: torch.Tensor,
         token_list: list[int],
     ) -> list[TokenLogprob | None]:
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -113,21 +112,32 @@ class Sampler:
         if not wanted:
             return result
         rows = torch.tensor(wanted, device=raw.device)
-        logprobs = raw[rows].log_softmax(dim=-1)  # [W, V]
-        chosen = logprobs.gather(1, tokens[rows][:, None])  # [W, 1]
-        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-        max_k = max(seqs[i].params.logprobs or 0 for i in wanted)
-        top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
-        chosen_list = chosen[:, 0].tolist()
-        for j, i in enumerate(wanted):
-            k = seqs[i].params.logprobs or 0
-            top: list[tuple[int, float]] = []
-            if k and top_ids is not None and top_vals is not None:
-                top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
-            result[i] = TokenLogprob(
-                token_id=token_list[i], logprob=chosen_list[j], rank=ranks[j], top=top
-            )
+        ks = [seqs[i].params.logprobs or 0 for i in wanted]
+        chosen = token_logprobs(raw[rows], [token_list[i] for i in wanted], ks)
+        for i, lp in zip(wanted, chosen, strict=True):
+            result[i] = lp
         return result
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Each row's ``tokens[i]`` logprob under ``logits`` [W, V] (raw: no temperature or
+    penalty), its rank, and the row's ``ks[i]`` most likely alternatives."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [W, V]
+    ids = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, ids)  # [W, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    max_k = max(ks, default=0)
+    top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    chosen_list = chosen[:, 0].tolist()
+    result = []
+    for j, k in enumerate(ks):
+        top: list[tuple[int, float]] = []
+        if k and top_ids is not None and top_vals is not None:
+            top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
+        result.append(
+            TokenLogprob(token_id=tokens[j], logprob=chosen_list[j], rank=ranks[j], top=top)
+        )
+    return result
 
 
 @dataclass

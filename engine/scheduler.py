@@ -86,6 +86,10 @@ class Sequence:
     params: SamplingParams
     share: Share = DEFAULT  # who it is for: the order it waits in (pdserve/fair_queue.py)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # asked for (``params.prompt_logprobs``): of prompt tokens 1.. in order, as computed (a
+    # prefix-cache hit is not taken: every prompt position is computed here)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_scored: bool = False  # they went out in an output (``LLMEngine._output``)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id, when one ended the sequence
@@ -131,6 +135,12 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.token_ids
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (prompt tokens 1.. have one)."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens - 1
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -333,7 +343,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting.peek()
-        hits = self.blocks.find_cached_prefix(seq) if not seq.block_table else []
+        scored = seq.scoring_prompt  # its prompt's logits are all needed
+        hits = self.blocks.find_cached_prefix(seq) if not seq.block_table and not scored else []
         return seq, seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size, hits
 
     def _admit(self, seq: Sequence, hits: list[int]) -> None:

@@ -19,7 +19,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.backend import BackendError
 from pdserve.gateway.logprobs import LogprobEntry, TokenTexts, resolve
 from pdserve.gateway.tools.calls import ToolCallDelta
-from pdserve.protocol.messages import TokenChunk
+from pdserve.protocol.messages import TokenChunk, TokenLogprob
 
 _REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 4  # prompt ids kept as left context, so the first output token decodes in place
@@ -34,9 +34,11 @@ class ChoiceUpdate:
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # set by responses.ToolOutput
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when asked for
 
     def absorb(self, later: ChoiceUpdate) -> None:
         """Take in the same choice's next update (one event for a reader that fell behind)."""
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.text += later.text
         self.num_tokens += later.num_tokens
         self.finish_reason = later.finish_reason or self.finish_reason
@@ -84,6 +86,7 @@ class ChoiceState:
                 f"choice {self.index}: token index {chunk.index} came, {self._next} expected"
             )
         update = ChoiceUpdate(self.index, first=self.num_tokens == 0)
+        update.prompt_logprobs = chunk.prompt_logprobs
         eos = chunk.finished and chunk.finish_reason == "stop"  # the last id: counted, not shown
         last = len(chunk.token_ids) - 1
         texts, logprobs = self._texts, chunk.logprobs

@@ -70,6 +70,8 @@ class Job:
     stops: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     logprobs: bool = False
+    echo: bool = False  # completions: the prompt (and its logprobs) before each choice's text
+    prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` field in the response
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # usage so far on every chunk (vLLM)
@@ -144,6 +146,8 @@ def _job(
         stops=req.stop_strings(),
         skip_special_tokens=req.skip_special_tokens,
         logprobs=req.requested_logprobs() is not None,
+        echo=isinstance(req, CompletionRequest) and req.echo,
+        prompt_logprobs=req.prompt_logprobs is not None,
         stream=req.stream,
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,
@@ -159,6 +163,11 @@ def _request(
 ) -> m.Generate:
     sampling = sampling_params(req, max_tokens)
     _check_ids(sampling.stop_token_ids, tokenizer, "stop_token_ids")
+    try:
+        sampling.check_prompt_logprobs(len(ids))
+    except ValueError as e:
+        echo = isinstance(req, CompletionRequest) and req.echo and req.prompt_logprobs is None
+        raise invalid_request(str(e), "logprobs" if echo else "prompt_logprobs") from e
     return m.Generate(
         request_id=request_id,
         model=req.model,
@@ -255,6 +264,7 @@ def sampling_params(req: AnyRequest, max_tokens: int) -> SamplingParams:
             ignore_eos=req.ignore_eos,
             min_tokens=_given(req.min_tokens, d.min_tokens),
             logprobs=req.requested_logprobs(),
+            prompt_logprobs=req.requested_prompt_logprobs(),
             structured=structured,
         )
     except ValueError as e:

@@ -2,7 +2,7 @@
 and what they may not ask for (``check_supported``); ``gateway.jobs`` turns them into a ``Job``.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Known fields that would
-change the output in a way this server cannot honour (logit_bias, echo...) are refused
+change the output in a way this server cannot honour (logit_bias, suffix...) are refused
 with a 400 rather than silently ignored.
 
 Limits: ``n`` <= 16; 256 prompts a request; ``logprobs`` / ``top_logprobs`` <= 20; 4 stop
@@ -16,15 +16,17 @@ else. Audit of the fields vLLM accepts beyond the OpenAI ones (structured output
 ``gateway.structured``, ``gateway.tools``):
 
 refused (400) when set to anything but their default:
-    best_of (unless 1 or equal to n)  prompt_logprobs  use_beam_search  include_stop_str_in_output
+    best_of (unless 1 or equal to n)  use_beam_search  include_stop_str_in_output
     truncate_prompt_tokens  allowed_token_ids  bad_words  logprob_token_ids
     logits_processors  cache_salt (no per-tenant prefix cache)  kv_transfer_params (vLLM's
     connector API)  vllm_xargs  return_tokens_as_token_ids  return_token_ids  prompt_embeds;
 honoured: priority (vLLM's: lower first, within the key's tenant and tier).
     chat only: echo  continue_final_message  chat_template (per request: a server chooses its
     template with --chat-template, as vLLM without --trust-request-chat-template)  documents
-    (refused in ``check_supported`` as well: logit_bias; completions' echo and suffix)
-honoured: add_special_tokens, skip_special_tokens, min_tokens,
+    (refused in ``check_supported`` as well: logit_bias; completions' suffix; echo and
+    prompt_logprobs with n > 1)
+honoured: prompt_logprobs (vLLM's), completions' echo (with max_tokens 0: the prompt scored,
+    nothing generated), add_special_tokens, skip_special_tokens, min_tokens,
     stop_token_ids, ignore_eos, top_k, min_p, repetition_penalty, stream_options.
 accepted and ignored, since they cannot change the output here:
     user  store  metadata  service_tier  session_id  request_id (the response id is always
@@ -116,7 +118,6 @@ _UNSET: JsonDict = {"enum": [None]}
 _EMPTY: JsonDict = {"maxItems": 0}
 
 _REASONS = {
-    "prompt_logprobs": "prompt_logprobs is not supported",
     "use_beam_search": "beam search is not supported",
     "include_stop_str_in_output": "include_stop_str_in_output is not supported: a matched stop "
     "string is never part of the output",
@@ -132,7 +133,6 @@ _REASONS = {
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "return_token_ids": "return_token_ids is not supported",
     "prompt_embeds": "prompt_embeds is not supported",
-    "echo": "echo is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a chat template per request is not supported: the server's template "
     "(--chat-template) applies",
@@ -150,7 +150,8 @@ class VllmFields(_Body):
         json_schema_extra={"enum": [1, None]},
         description="accepted when equal to n",
     )
-    prompt_logprobs: int | None = Field(default=None, json_schema_extra=_UNSET)
+    # each prompt token's logprob (from the second), with this many alternatives (vLLM's)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     use_beam_search: bool | None = Field(default=False, json_schema_extra=_OFF)
     include_stop_str_in_output: bool | None = Field(default=False, json_schema_extra=_OFF)
     truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra=_UNSET)
@@ -179,7 +180,8 @@ class VllmChatFields(_Body):
 
 class _SamplingFields(VllmFields, StructuredFields):
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # 0: only with the prompt scored (echo, prompt_logprobs): ``SamplingParams`` checks it
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -218,7 +220,7 @@ class _SamplingFields(VllmFields, StructuredFields):
 
 class ChatCompletionRequest(_SamplingFields, VllmChatFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -234,6 +236,9 @@ class ChatCompletionRequest(_SamplingFields, VllmChatFields, ToolFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -267,6 +272,16 @@ class CompletionRequest(_SamplingFields):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives to compute for each prompt token: ``prompt_logprobs``, or with ``echo``
+        the ``logprobs`` asked for (the prompt's tokens are listed before the output's); an
+        echo of ``max_tokens`` 0 scores the prompt whatever (nothing else runs)."""
+        asked = [self.prompt_logprobs]
+        if self.echo:
+            asked += [self.logprobs, 0 if self.max_tokens == 0 else None]
+        given = [k for k in asked if k is not None]
+        return max(given) if given else None
+
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
@@ -297,6 +312,8 @@ def refuse_unhonoured(req: BaseModel, n: int) -> None:
 def check_supported(req: AnyRequest) -> None:
     """Refuse what parses but cannot be honoured; raises ``OpenAIError`` (400)."""
     refuse_unhonoured(req, req.n)
+    if req.prompt_logprobs is not None and req.n > 1:
+        raise invalid_request("prompt_logprobs is for one choice a prompt (n=1)", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", "stream_options"
@@ -306,9 +323,12 @@ def check_supported(req: AnyRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.echo:
+            message = "echo is not supported on chat: the messages are the client's own"
+            raise invalid_request(message, "echo")
         check_tools(req)
     else:
-        if req.echo:
-            raise invalid_request("echo is not supported", "echo")
+        if req.echo and req.n > 1:
+            raise invalid_request("echo is for one choice a prompt (n=1)", "echo")
         if req.suffix:
             raise invalid_request("suffix is not supported", "suffix")

@@ -35,10 +35,12 @@ from pdserve.gateway.choices import ChoiceUpdate
 from pdserve.gateway.errors import OpenAIError, from_backend, internal
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
+from pdserve.gateway.prompt_scores import PromptScores, PromptStream, echo_logprobs
 from pdserve.gateway.run import JobRun, Usage
 from pdserve.gateway.tools.calls import accumulate, delta_json, new_call_id
 from pdserve.gateway.tools.request import ToolPlan
 from pdserve.gateway.tools.stages import make_stage
+from pdserve.protocol.messages import TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -51,6 +53,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 # Characters many line splitters (``str.splitlines``, httpx's ``aiter_lines``) break on, that
@@ -87,8 +90,12 @@ def _logprobs(job: Job, entries: list[LogprobEntry]) -> dict[str, Any] | None:
     return chat_logprobs(entries) if job.kind == "chat" else completion_logprobs(entries)
 
 
-def response_body(job: Job, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
+def response_body(
+    job: Job, results: list[ChoiceResult], usage: Usage, scores: PromptScores | None = None
+) -> dict[str, Any]:
+    """``scores`` turns the prompts' scores into the response, where the job asks for them."""
     choices = []
+    prompt_logprobs = None
     for index, r in enumerate(results):
         choice: dict[str, Any] = {"index": index}
         if job.kind == "chat":
@@ -99,6 +106,16 @@ def response_body(job: Job, results: list[ChoiceResult], usage: Usage) -> dict[s
             choice["text"] = r.text
         choice["logprobs"] = _logprobs(job, r.logprobs)
         choice["finish_reason"] = r.finish_reason
+        prompt = job.requests[index // job.n].prompt_token_ids
+        if scores is not None and job.echo:
+            echo = scores.echo(prompt, r.prompt_logprobs)
+            choice["text"] = echo.text + r.text
+            if job.logprobs:
+                choice["logprobs"] = echo_logprobs(echo, r.logprobs)
+        if scores is not None and job.prompt_logprobs and r.prompt_logprobs is not None:
+            prompt_logprobs = scores.vllm(prompt, r.prompt_logprobs)
+            if job.kind == "completion":  # vLLM: a choice's own; chat: the response's
+                choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)
     body: dict[str, Any] = {
         "id": job.response_id,
@@ -108,6 +125,8 @@ def response_body(job: Job, results: list[ChoiceResult], usage: Usage) -> dict[s
         "choices": choices,
         "usage": usage_body(usage),
     }
+    if job.kind == "chat" and job.prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs
     if job.system_fingerprint is not None:
         body["system_fingerprint"] = job.system_fingerprint
     return body
@@ -211,6 +230,7 @@ async def stream_events(run: JobRun) -> AsyncIterator[str]:
     pending: dict[int, list[LogprobEntry]] = {i: [] for i in range(job.num_choices)}
     tools = ToolOutput.of(job.tools, job.num_choices)
     events = ChunkEvents(job)
+    prompts = PromptStream(job, run.tokenizer) if job.echo or job.prompt_logprobs else None
     try:
         async with aclosing(run.updates()) as updates:
             async for update in updates:
@@ -223,7 +243,10 @@ async def stream_events(run: JobRun) -> AsyncIterator[str]:
                 started.add(update.index)
                 logprobs, pending[update.index] = pending[update.index], []
                 usage = run.usage if job.continuous_usage else None  # so far, vLLM's way
-                yield events.event(chunk_choice(job, update, first, logprobs), usage)
+                choice = chunk_choice(job, update, first, logprobs)
+                if prompts is not None:
+                    prompts.apply(choice, update, logprobs, first)
+                yield events.event(choice, usage)
         if job.include_usage:
             yield sse(chunk_body(job, [], run.usage))
     except Exception as e:
@@ -281,4 +304,7 @@ async def collect(run: JobRun) -> dict[str, Any]:
             accumulate(result.tool_calls, update.tool_calls)
             result.logprobs += update.logprobs
             result.finish_reason = update.finish_reason or result.finish_reason
-    return response_body(run.job, results, run.usage)
+            result.prompt_logprobs = result.prompt_logprobs or update.prompt_logprobs
+    job = run.job
+    scores = PromptScores(run.tokenizer) if job.echo or job.prompt_logprobs else None
+    return response_body(job, results, run.usage, scores)

@@ -77,6 +77,7 @@ class JobRun:
         ``idle_s`` the time between two events from the cluster; ``max_backlog`` the events
         waiting for the consumer."""
         self.job = job
+        self.tokenizer = tokenizer
         self._listener = listener
         self._backend = backend
         self._clock = clock

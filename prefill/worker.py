@@ -215,7 +215,7 @@ class PrefillWorker(Worker[PrefillRecord]):
             # a choice ends at token 0 if it stopped (or its constraint failed), or if it only
             # wanted one token
             stopped = o.finish_reason in (m.FinishReason.STOP, m.FinishReason.ABORT)
-            ends = stopped or job.sampling.max_tokens == 1
+            ends = stopped or job.sampling.max_tokens <= 1  # 0: the prompt scored, no token
             reason = o.finish_reason if ends else None
             key = ChoiceKey(job.request_id, c)
             self.tokens.add(job.stream_address, token_chunk(key, o, 0, o.new_token_ids[:1], reason))
@@ -288,5 +288,8 @@ class PrefillWorker(Worker[PrefillRecord]):
 
 
 def _token0_params(params: SamplingParams) -> SamplingParams:
-    """Token 0 only; ``min_tokens`` still keeps eos away from it when asked to."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    """Token 0 only (none for a prompt only scored); ``min_tokens`` still keeps eos away from
+    it when asked to."""
+    return dataclasses.replace(
+        params, max_tokens=min(params.max_tokens, 1), min_tokens=min(params.min_tokens, 1)
+    )

@@ -240,6 +240,8 @@ class TokenChunk:
     finish_reason: FinishReason | None  # when finished
     num_prompt_tokens: int
     num_cached_tokens: int
+    # with token 0 (``SamplingParams.prompt_logprobs``): prompt tokens 1.. scored, in order
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @message("token_batch")

@@ -17,6 +17,9 @@ from typing import Literal
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Prompt logprobs come back in one message and one response: (prompt tokens - 1) x (k + 1)
+# entries at most (about 3 MB on the wire at the limit, under the control plane's 8 MiB).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,19 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; k >= 0: sampled token plus top-k alternatives
+    # None: off; k >= 0: each prompt token's logprob (from position 1) plus top-k alternatives
+    prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # output constraint (``engine.structured``)
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the offending field (the gateway reports it as the
         request's ``param``)."""
         checks = [
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            # 0: no output, only the prompt scored (echo with logprobs, prompt_logprobs)
+            (
+                self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
@@ -79,10 +88,26 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
             ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def check_prompt_logprobs(self, prompt_tokens: int) -> None:
+        """``ValueError`` when the prompt's logprobs would be more than one answer carries."""
+        if self.prompt_logprobs is None:
+            return
+        entries = max(prompt_tokens - 1, 0) * (self.prompt_logprobs + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ValueError(
+                f"prompt logprobs of {prompt_tokens} tokens with {self.prompt_logprobs} "
+                f"alternatives each are {entries} entries, over the limit of "
+                f"{MAX_PROMPT_LOGPROB_ENTRIES}: ask fewer alternatives or a shorter prompt"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -232,7 +232,7 @@ def test_tokenize_bodies_are_bounded(tok: Tokenizer) -> None:
     [
         ({"best_of": 2}, "best_of"),
         ({"n": 2, "best_of": 3}, "best_of"),
-        ({"prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"prompt_logprobs": 0, "n": 2}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),

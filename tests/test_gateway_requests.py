@@ -243,7 +243,8 @@ def test_prepare_completion_prompt_forms(tokenizer: Tokenizer) -> None:
         ([[]], {}, "prompt"),
         ([5, 99999], {}, "prompt"),
         ("x", {"stop_token_ids": [-1]}, "stop_token_ids"),
-        ("x", {"echo": True}, "echo"),
+        ("x", {"echo": True, "n": 2}, "echo"),
+        ("x", {"max_tokens": 0}, "max_tokens"),
         (list(range(64)), {}, "prompt"),
     ],
 )
@@ -254,3 +255,22 @@ def test_prepare_completion_refusals(
     with pytest.raises(OpenAIError) as info:
         prepare_completion(req, tokenizer, MODEL)
     assert (info.value.status, info.value.param) == (400, param)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"echo": True, "logprobs": 20}, "logprobs"), ({"prompt_logprobs": 20}, "prompt_logprobs")],
+)
+def test_prompt_scores_past_their_bound_are_refused(
+    tokenizer: Tokenizer, extra: dict, param: str
+) -> None:
+    """(prompt tokens - 1) x (k + 1) entries at most: 3,121 tokens with 20 alternatives."""
+    model = served_model("tiny", max_model_len=8192)
+    body = {"model": "tiny", "max_tokens": 0, **extra}
+    ok = CompletionRequest.model_validate({**body, "prompt": [7] * 3121})
+    assert prepare_completion(ok, tokenizer, model).requests[0].sampling.prompt_logprobs == 20
+    req = CompletionRequest.model_validate({**body, "prompt": [7] * 3122})
+    with pytest.raises(OpenAIError) as info:
+        prepare_completion(req, tokenizer, model)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert "over the limit of 65536" in info.value.message

@@ -79,6 +79,7 @@ def token_chunk(
         finish_reason=None if reason is None else m.FinishReason(reason),
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 
