@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from pdserve.coordinator.dispatch import LocalPrefill, Reservations
+from pdserve.coordinator.embeds import EmbedRouter
 from pdserve.coordinator.peers import TransferPeers
 from pdserve.coordinator.placement import Placement
 from pdserve.coordinator.planner import Planner
@@ -103,6 +104,7 @@ class Coordinator:
         self.peers = TransferPeers(self.shared)
         parts = (self.shared, self.placement, self.reservations, timeouts, self.peers)
         self.recovery = Recovery(*parts)
+        self.embeds = EmbedRouter(self.shared.outbox, self.shared.registry)
         self.decisions: Counter[str] = Counter()  # each choice's route by reason
         self.started_at: float | None = None  # its first message: then it knows no worker
 
@@ -140,6 +142,8 @@ class Coordinator:
             self.shared.outbox.to_gateway(msg.stream_address, state)
         elif isinstance(msg, m.Generate):
             self._generate(msg, now)
+        elif isinstance(msg, m.Embed):
+            self.embeds.route(msg, msg.model in self.registry.models())
         elif isinstance(msg, m.Reserved):
             route = self.reservations.answered(msg, now)
             if route is not None:
@@ -147,15 +151,18 @@ class Coordinator:
         elif isinstance(msg, m.TransferDone):
             self._transfer_done(msg, now)
         elif isinstance(msg, m.Finished):
-            self._finished(msg)
+            if not self.embeds.ended(msg.request_id):
+                self._finished(msg)
         elif isinstance(msg, m.Abort):
-            self._abort(msg)
-        else:
+            if not self.embeds.ended(msg.request_id):
+                self._abort(msg)
+        elif not self.embeds.ended(msg.request_id):  # an embed worker told its gateway
             self._worker_error(msg)
 
     def tick(self, now: float) -> None:
         """Expire dead workers and waits past their bound; place what waits for blocks."""
         self.recovery.expire_workers(now)
+        self.embeds.lost()
         self.recovery.expire_waits(now)
         self.reservations.place_queued(now)
         self.planning.tick(now)
@@ -198,6 +205,10 @@ class Coordinator:
                 shared.error_to(req, 503, f"model {req.model} has no workers yet")
             else:
                 shared.error_to(req, 404, f"the model `{req.model}` does not exist")
+            return
+        if reg.embeds(req.model):
+            why = f"model `{req.model}` is an embedding model: use /v1/embeddings"
+            shared.error_to(req, 400, why)
             return
         if not reg.ready(req.model):
             shared.error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
@@ -319,6 +330,7 @@ HANDLED = (
     KVEvents,
     m.GatewayHello,
     m.Generate,
+    m.Embed,
     m.Reserved,
     m.TransferDone,
     m.Finished,

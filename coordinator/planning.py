@@ -124,7 +124,8 @@ class Planning:
         if now < self._next_at:
             return
         self._next_at = now + self.interval_s
-        served = self.registry.models()
+        registry = self.registry  # an embedding model has no prefill and decode pools to plan
+        served = {model for model in registry.models() if not registry.embeds(model)}
         for model in [m_ for m_ in self._pools if m_ not in served]:
             del self._pools[model]
         for model in [m_ for m_ in self.plans if m_ not in served]:

@@ -218,7 +218,14 @@ class WorkerRegistry:
 
     def ready(self, model: str) -> bool:
         pool = self.serving(model)
+        if self.embeds(model):
+            return True
         return any(w.can_prefill for w in pool) and any(w.can_decode for w in pool)
+
+    def embeds(self, model: str) -> list[Worker]:
+        """The embed workers of ``model`` that take new work: an embedding model has no
+        other kind."""
+        return [w for w in self.serving(model) if w.info.role == "embed"]
 
     def cluster_state(self) -> m.ClusterState:
         models: dict[str, m.ServedModel] = {}
@@ -230,6 +237,7 @@ class WorkerRegistry:
                     root=w.info.model_root,
                     max_model_len=w.info.max_model_len,
                     ready=self.ready(name),
+                    kind="embed" if w.info.role == "embed" else "generate",
                 )
         workers = [
             m.WorkerStatus(

@@ -17,13 +17,21 @@ from pdserve.engine.config import (
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
+    """``many_models`` (``pdserve serve``): ``--model`` may be given more than once (a list)."""
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model",
         default=None,
+        action="append" if many_models else "store",
         help="a Hugging Face model directory, a pulled model's name, or tiny/small (random "
-        "weights) (default: smollm2-135m-instruct, pulled on first use)",
+        "weights) (default: smollm2-135m-instruct, pulled on first use)"
+        + (
+            "; again for each more model to serve behind the same endpoint (embedding models: "
+            "an embed worker each; one generative model)"
+            if many_models
+            else ""
+        ),
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")

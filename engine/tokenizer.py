@@ -59,6 +59,10 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"tokenizer.json not found in model directory {path}")
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        # as transformers does per call: a tokenizer.json may carry padding and truncation
+        # (all-MiniLM-L6-v2's pads and cuts to 128), which would change a prompt silently
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(path / "tokenizer_config.json")
         generation = _read_json(path / "generation_config.json")
         model_config = _read_json(path / "config.json")

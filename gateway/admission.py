@@ -2,8 +2,8 @@
 
     /v1/*, /tokenize, /detokenize  API key: its tenant (401)  ->  not draining (503)
     POST /v1/{chat/,}completions   JSON content type (415)  ->  body within the limit (413)
-         /tokenize, /detokenize    and the body timeout (408), read here and replayed
-                                   ->  in-flight slot (429; generation only)
+         /v1/responses             and the body timeout (408), read here and replayed
+         /tokenize, /detokenize    ->  in-flight slot (429; generation only)
 
 The key's tenant (``gateway.tenancy``) goes in ``request.state.tenant`` for the app, which
 admits the request against that tenant's rate limits once its prompt is tokenized.
@@ -42,8 +42,9 @@ from pdserve.gateway.tenancy.core import TENANT, Tenancy
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")  # bodies bounded like generation's, no slot
+EMBED_PATHS = ("/v1/embeddings",)  # bounded, and a slot each, like generation
 
 
 class AdmissionState:
@@ -101,8 +102,9 @@ class Admission:
         path: str = scope["path"]
         gated = path == "/v1" or path.startswith("/v1/") or path in TOKENIZE_PATHS
         error = self._gate(scope) if gated else None
-        if error is None and (path in GENERATE_PATHS or path in TOKENIZE_PATHS):
-            await self._generate(scope, receive, send, slot=path in GENERATE_PATHS)
+        slot = path in GENERATE_PATHS or path in EMBED_PATHS
+        if error is None and (slot or path in TOKENIZE_PATHS):
+            await self._generate(scope, receive, send, slot=slot)
             return
         if error is not None:
             await self._reject(error, scope, receive, send)

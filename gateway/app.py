@@ -1,12 +1,13 @@
 """The HTTP layer: one handler per endpoint, each a few lines over plain functions (``Gateway``
 here; ``jobs``, ``run``, ``responses``, ``api_extras``)::
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/responses
+    GET /v1/models   GET /v1/models/{id}
     POST /tokenize   POST /detokenize   GET /version   GET /health   GET /metrics
 
 A generation request: ``Gateway.lookup`` (the model), ``jobs.prepare_*`` (the ``Job``),
 ``Gateway.serve`` (its ``JobRun`` started, then streamed by ``responses.stream_events`` or
-collected by ``complete``).
+collected by ``complete``; a Responses API job by ``responses_api.serve`` instead).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -24,6 +25,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
+from pdserve.engine.embed.tokenize import EmbedTokenizer
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import GENERATE_PATHS, Admission, AdmissionState
 from pdserve.gateway.api_extras import (
@@ -39,9 +41,16 @@ from pdserve.gateway.api_extras import (
 )
 from pdserve.gateway.backend import Backend, BackendError
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.embeddings import (
+    EmbeddingRequest,
+    embedding_body,
+    load_tokenizer,
+    prepare_embed,
+)
 from pdserve.gateway.errors import (
     ERROR_RESPONSES,
     OpenAIError,
+    error_body,
     error_response,
     from_backend,
     install_error_handlers,
@@ -52,15 +61,14 @@ from pdserve.gateway.errors import (
 from pdserve.gateway.headers import add_header_middleware
 from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
 from pdserve.gateway.metrics import GatewayMetrics, Outcome
+from pdserve.gateway.observe.planning import planner_json
+from pdserve.gateway.observe.prometheus import CONTENT_TYPE
 from pdserve.gateway.openai_models import ChatCompletionRequest, CompletionRequest
-from pdserve.gateway.planning import planner_json
-from pdserve.gateway.prometheus import CONTENT_TYPE
-from pdserve.gateway.responses import (
-    BoundedStreamingResponse,
-    collect,
-    error_body,
-    stream_events,
-)
+from pdserve.gateway.responses import BoundedStreamingResponse, collect, stream_events
+from pdserve.gateway.responses_api.models import ResponsesRequest
+from pdserve.gateway.responses_api.output import echo
+from pdserve.gateway.responses_api.serve import ResponsesOutput
+from pdserve.gateway.responses_api.translate import check_output_tokens, prepare_response
 from pdserve.gateway.run import JobRun
 from pdserve.gateway.tenancy.core import OPEN, RATELIMIT_HEADERS, TENANT, Tenancy
 from pdserve.gateway.tenancy.request import (
@@ -74,6 +82,9 @@ from pdserve.gateway.tenancy.tenants import Tenant
 from pdserve.protocol import messages as m
 
 log = logging.getLogger(__name__)
+
+Collect = Callable[[JobRun], Awaitable[dict[str, Any]]]  # a started run -> the response body
+Events = Callable[[JobRun], AsyncIterator[str]]  # a started run -> its SSE body
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
 
@@ -94,6 +105,8 @@ class Gateway:
     # models served so far: one whose workers are all away (restarting, or a restarted
     # coordinator relearning them) is a retryable 503, not a 404 for a model that never was
     served: set[str] = dataclasses.field(default_factory=set)
+    # embedding models' tokenizers, by name, as their workers tokenize (gateway.embeddings)
+    embed_tokenizers: dict[str, EmbedTokenizer] = dataclasses.field(default_factory=dict)
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -104,8 +117,11 @@ class Gateway:
         if path in GENERATE_PATHS:
             self.metrics.requests.inc(outcome=request_outcome(error).value)
 
-    def lookup(self, name: str | None) -> tuple[str, Tokenizer, m.ServedModel]:
-        """The served model ``name`` stands for (an alias, or None for the only one)."""
+    def lookup(
+        self, name: str | None, kind: str = "generate"
+    ) -> tuple[str, Tokenizer, m.ServedModel]:
+        """The served model ``name`` stands for (an alias, or None for the only one), of
+        ``kind``: a generation on an embedding model, or the other way, is a 400."""
         model = resolve_model(name, self.aliases, self.tokenizers)
         tokenizer = self.tokenizers.get(model)
         models = self.backend.models()
@@ -117,6 +133,13 @@ class Gateway:
         if tokenizer is None or info is None:
             raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
         self.served.add(model)
+        if info.kind != kind:
+            what = (
+                "an embedding model: use /v1/embeddings"
+                if info.kind == "embed"
+                else ("a generative model: it serves no embeddings")
+            )
+            raise OpenAIError(400, f"model `{model}` is {what}", param="model")
         return model, tokenizer, info
 
     async def serve(
@@ -126,9 +149,11 @@ class Gateway:
         info: m.ServedModel,
         request: Request,
         priority: int | None = 0,
+        collect_body: Collect = collect,
+        events: Events = stream_events,
     ) -> Response:
         """Admit ``job`` against its tenant's limits, start it (a refusal is the response's
-        status), then stream it or collect it."""
+        status), then stream it (``events``) or collect it (``collect_body``)."""
         job = dataclasses.replace(job, system_fingerprint=system_fingerprint(info))
         if getattr(request.state, "request_id", None):
             log.debug("request %s: X-Request-Id %s", job.response_id, request.state.request_id)
@@ -159,10 +184,10 @@ class Gateway:
                 log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
             raise
         if not job.stream:
-            return await complete(run, request)
+            return await complete(run, request, collect_body)
         # The background close aborts a stream the server never began to iterate.
         return BoundedStreamingResponse(
-            stream_events(run),
+            events(run),
             send_timeout_s=config.stream_send_timeout_s,
             on_cut=run.close,
             media_type="text/event-stream",
@@ -222,6 +247,20 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await gateway.serve(job, tokenizer, info, request, body.priority)
 
 
+@router.post("/v1/responses", responses=ERROR_RESPONSES)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    gateway = gateway_of(request)
+    model, tokenizer, info = gateway.lookup(body.model)
+    check_output_tokens(body, tenant_of(request))
+    body = body.model_copy(update={"model": model})
+    parser = gateway.config.tool_call_parser
+    job = await asyncio.to_thread(prepare_response, body, tokenizer, info, parser)
+    output = ResponsesOutput(echo(body))
+    return await gateway.serve(
+        job, tokenizer, info, request, body.priority, output.collect, output.events
+    )
+
+
 @router.post("/tokenize", responses=ERROR_RESPONSES)
 async def tokenize_text(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     _, tokenizer, info = gateway_of(request).lookup(body.model)
@@ -232,6 +271,30 @@ async def tokenize_text(body: TokenizeRequest, request: Request) -> dict[str, An
 async def detokenize_ids(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     _, tokenizer, info = gateway_of(request).lookup(body.model)
     return await asyncio.to_thread(detokenize, body, tokenizer, info)
+
+
+@router.post("/v1/embeddings", responses=ERROR_RESPONSES)
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    model, _, info = gateway.lookup(body.model, kind="embed")
+    tokenizer = gateway.embed_tokenizers.get(model)
+    if tokenizer is None:
+        tokenizer = gateway.embed_tokenizers[model] = load_tokenizer(info)
+    embed = await asyncio.to_thread(prepare_embed, body, tokenizer, info)
+    tokens = sum(len(ids) for ids in embed.inputs)
+    tenancy = gateway.tenancy
+    hold = await tenancy.admit(tenant_of(request), model, embed.request_id, tokens, 0)
+    setattr(request.state, RATELIMIT_HEADERS, hold.headers)
+    try:
+        result = await gateway.backend.embed(embed, gateway.config.timeout_s)
+    except BackendError as e:
+        await tenancy.finish(hold, Outcome.REJECTED, 0, 0, 0)
+        raise from_backend(e) from e
+    except BaseException:
+        await tenancy.finish(hold, Outcome.ABORTED, 0, 0, 0)
+        raise
+    await tenancy.finish(hold, Outcome.SUCCESS, result.num_tokens, 0, 0)
+    return await asyncio.to_thread(embedding_body, result, model, body.encoding_format)
 
 
 @router.get("/v1/models")
@@ -303,9 +366,9 @@ def create_app(
     return app
 
 
-async def complete(run: JobRun, request: Request) -> Response:
+async def complete(run: JobRun, request: Request, collect_body: Collect = collect) -> Response:
     """Run a non-streaming job; abort it if the client leaves first."""
-    work = asyncio.ensure_future(collect(run))
+    work = asyncio.ensure_future(collect_body(run))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

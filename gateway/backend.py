@@ -52,6 +52,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...
 
+    async def embed(self, request: m.Embed, timeout_s: float | None) -> m.EmbedResult:
+        """The embeddings of ``request`` (``stream_address`` the backend's), or
+        ``BackendError``; within ``timeout_s`` (None: no bound) or a 504."""
+        raise BackendError("this backend serves no embeddings", 501)
+
     @abc.abstractmethod
     def models(self) -> list[m.ServedModel]: ...
 

@@ -263,3 +263,10 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
             schemas.pop(name, None)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def error_body(error: BaseException) -> OpenAIError:
+    """What a failure says to the client: its own error, the cluster's, or a 500."""
+    if isinstance(error, OpenAIError):
+        return error
+    return from_backend(error) if isinstance(error, BackendError) else internal(error)

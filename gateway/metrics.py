@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 
-from pdserve.gateway.planning import LatencySampler, PlannerMetrics
-from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
-from pdserve.gateway.spec_metrics import SpecMetrics
-from pdserve.gateway.step_metrics import StepMetrics
+from pdserve.gateway.observe.planning import LatencySampler, PlannerMetrics
+from pdserve.gateway.observe.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.gateway.observe.spec_metrics import SpecMetrics
+from pdserve.gateway.observe.step_metrics import StepMetrics
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS
 

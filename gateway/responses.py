@@ -19,8 +19,6 @@ A failure after the first byte cannot change the status any more: it becomes
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -30,16 +28,15 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
-from pdserve.gateway.backend import BackendError
 from pdserve.gateway.choices import ChoiceUpdate
-from pdserve.gateway.errors import OpenAIError, from_backend, internal
+from pdserve.gateway.errors import error_body
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.logprobs import LogprobEntry, chat_logprobs, completion_logprobs
 from pdserve.gateway.prompt_scores import PromptScores, PromptStream, echo_logprobs
 from pdserve.gateway.run import JobRun, Usage
-from pdserve.gateway.tools.calls import accumulate, delta_json, new_call_id
-from pdserve.gateway.tools.request import ToolPlan
-from pdserve.gateway.tools.stages import make_stage
+from pdserve.gateway.sse import json_text, sse
+from pdserve.gateway.tools.calls import accumulate, delta_json
+from pdserve.gateway.tools.output import ToolOutput
 from pdserve.protocol.messages import TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -54,25 +51,6 @@ class ChoiceResult:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
-
-
-# Characters many line splitters (``str.splitlines``, httpx's ``aiter_lines``) break on, that
-# json.dumps leaves raw. They only occur inside JSON strings, where the escape means the same.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # json.dumps makes one a call
-
-
-def _json(body: dict[str, Any]) -> str:
-    data = _JSON.encode(body)
-    if "\u2028" in data or "\u2029" in data or "\x85" in data:  # rare: translate costs 2 us
-        data = data.translate(_LINE_BREAKS)
-    return data
-
-
-def sse(body: dict[str, Any]) -> str:
-    return f"data: {_json(body)}\n\n"
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -155,7 +133,7 @@ class ChunkEvents:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        text = _json(chunk_body(job, []))
+        text = json_text(chunk_body(job, []))
         # '"choices":[' cannot occur inside a JSON string: its second quote would be escaped
         cut = text.index('"choices":[') + len('"choices":[')
         self._head, self._tail = f"data: {text[:cut]}", f"{text[cut:]}\n\n"
@@ -164,7 +142,7 @@ class ChunkEvents:
         """``usage``: so far, with ``continuous_usage`` (vLLM's way); None otherwise."""
         if usage is not None:
             return sse(chunk_body(self.job, [choice], usage))
-        return f"{self._head}{_json(choice)}{self._tail}"
+        return f"{self._head}{json_text(choice)}{self._tail}"
 
 
 def chunk_choice(
@@ -184,43 +162,6 @@ def chunk_choice(
     choice["logprobs"] = _logprobs(job, logprobs)
     choice["finish_reason"] = update.finish_reason
     return choice
-
-
-class ToolOutput:
-    """The hook between a generation's updates and the response: each choice's text goes
-    through its tool-call stage (``gateway.tools.stages``), streamed and non-streamed alike;
-    owns one stage a choice::
-
-        ChoiceUpdate(text) --stage--> ChoiceUpdate(text=content, tool_calls=deltas)
-
-    ``finish_reason`` "stop" becomes "tool_calls" when the choice made a call ("length" stays:
-    the last call's arguments may be cut short)."""
-
-    def __init__(
-        self, plan: ToolPlan, num_choices: int, new_id: Callable[[], str] = new_call_id
-    ) -> None:
-        self._stages = [make_stage(plan, new_id) for _ in range(num_choices)]
-
-    @classmethod
-    def of(cls, plan: ToolPlan | None, num_choices: int) -> ToolOutput | None:
-        return None if plan is None else cls(plan, num_choices)
-
-    def apply(self, update: ChoiceUpdate) -> ChoiceUpdate:
-        stage = self._stages[update.index]
-        content, deltas = stage.feed(update.text)
-        finish = update.finish_reason
-        if finish is not None:
-            more, last = stage.finish()
-            content, deltas = content + more, deltas + last
-            if finish == "stop" and stage.calls:
-                finish = "tool_calls"
-        return dataclasses.replace(update, text=content, tool_calls=deltas, finish_reason=finish)
-
-
-def error_body(error: BaseException) -> OpenAIError:
-    if isinstance(error, OpenAIError):
-        return error
-    return from_backend(error) if isinstance(error, BackendError) else internal(error)
 
 
 async def stream_events(run: JobRun) -> AsyncIterator[str]:

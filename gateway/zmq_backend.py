@@ -87,6 +87,7 @@ class ZmqBackend(Backend):
         self._stream: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: dict[str, Pending] = {}
+        self._embeds: dict[str, asyncio.Future[m.EmbedResult]] = {}  # by request id
         self._state: m.ClusterState | None = None
         self._state_at: float | None = None
 
@@ -157,6 +158,25 @@ class ZmqBackend(Backend):
                 del self._pending[rid]
             raise
         return self._events(generate, pending)
+
+    async def embed(self, request: m.Embed, timeout_s: float | None) -> m.EmbedResult:
+        rid = request.request_id
+        if self._coordinator is None:
+            raise BackendError("the gateway is not connected to a coordinator", 503)
+        embed = dataclasses.replace(request, stream_address=self.stream_address)
+        result: asyncio.Future[m.EmbedResult] = asyncio.get_running_loop().create_future()
+        self._embeds[rid] = result
+        try:
+            if not await self._send(encode(embed)):
+                address = self.coordinator_address
+                raise BackendError(f"the coordinator at {address} is unreachable", 503)
+            async with asyncio.timeout(timeout_s):
+                return await result
+        except TimeoutError:
+            await self._send(encode(m.Abort(rid, "timeout")))
+            raise BackendError(f"no embeddings within {timeout_s:g} s", 504) from None
+        finally:
+            self._embeds.pop(rid, None)
 
     async def abort(self, request_id: str) -> None:
         """Always tells the coordinator (the stream may have ended here while the workers still
@@ -230,6 +250,14 @@ class ZmqBackend(Backend):
         elif isinstance(msg, m.TokenBatch):
             for chunk in msg.chunks:
                 self._route(chunk)
+        elif isinstance(msg, m.EmbedResult):
+            waiting = self._embeds.get(msg.request_id)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(msg)
+        elif isinstance(msg, m.RequestError) and msg.request_id in self._embeds:
+            waiting = self._embeds[msg.request_id]
+            if not waiting.done():
+                waiting.set_exception(BackendError(msg.message, msg.status))
         elif isinstance(msg, (m.RequestError, m.Accepted)):
             self._route(msg)
         else:

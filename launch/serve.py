@@ -39,13 +39,19 @@ from pdserve.launch.children import Child, restart, wait_for_file
 from pdserve.launch.plan_source import metrics_source, planner_source
 from pdserve.launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
 from pdserve.launch.serve_keys import identities, launch_keys, role_of, worker_id, worker_keys
-from pdserve.launch.worker_commands import pdserve_command, worker_command, worker_commands
+from pdserve.launch.worker_commands import (
+    embed_commands,
+    pdserve_command,
+    split_models,
+    worker_command,
+    worker_commands,
+)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.engine.cli_args import add_engine_args
 
-    add_engine_args(parser)
+    add_engine_args(parser, many_models=True)
     g = parser.add_argument_group("cluster")
     g.add_argument("--prefill", type=int, default=1, help="prefill workers (--autoscale: first)")
     g.add_argument("--decode", type=int, default=1, help="decode workers (--autoscale: first)")
@@ -146,8 +152,9 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the gateway runs: nothing to reload
 
     try:  # pulled here, once, so the workers start from the cache
-        model = os.path.abspath(resolve_model(args.model, args.dtype))
-    except (OSError, RuntimeError) as e:
+        models = [os.path.abspath(resolve_model(m, args.dtype)) for m in args.model or [None]]
+        model = split_models(args, models)
+    except (OSError, RuntimeError, ValueError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))  # 0700
@@ -192,6 +199,7 @@ class Cluster:
         bind = "tcp://127.0.0.1:0"
         self.coordinator = Child("coordinator", self._coordinator(bind, address_file))
         self.workers: list[Child] = []  # supervised: restarted when they exit
+        self.embedders: list[Child] = []  # embed workers (supervised, never autoscaled)
         self.retiring: list[Child] = []  # draining (--autoscale): left to exit
         self.gateway: Child | None = None
         self.address = self.model = ""
@@ -227,6 +235,10 @@ class Cluster:
             for cmd, key in zip(  # --autoscale: the first slots' keys
                 worker_commands(self.args, address, model), worker_keys(self.args), strict=False
             )
+        ]
+        self.embedders = [
+            Child("prefill", [*cmd, *self.keys(worker_id(cmd))])
+            for cmd in embed_commands(self.args, address)
         ]
         self.gateway = Child("gateway", self._gateway(address, api_flags))
         for child in self.children()[1:]:
@@ -274,12 +286,13 @@ class Cluster:
             gateway.proc.send_signal(signal.SIGHUP)
 
     def children(self) -> list[Child]:
-        return [self.coordinator, *self.workers, *([self.gateway] if self.gateway else [])]
+        gateway = [self.gateway] if self.gateway else []
+        return [self.coordinator, *self.workers, *self.embedders, *gateway]
 
     def stop(self, drain_timeout: float) -> None:
         if self.gateway is not None:
             self.gateway.stop(drain_timeout + 10)
-        workers = [*self.workers, *self.retiring]
+        workers = [*self.workers, *self.embedders, *self.retiring]
         for child in workers:
             child.terminate()
         for child in workers:
@@ -308,7 +321,8 @@ def _supervise(
         if not ready:
             ready = _healthy(url)
             if ready:
-                print(f"pdserve is serving {model} ({args.mode}) at {url}/v1", flush=True)
+                served = ", ".join(m for m in [model, *args.embedding_models] if m)
+                print(f"pdserve is serving {served} ({args.mode}) at {url}/v1", flush=True)
             elif time.monotonic() > ready_by:
                 raise RuntimeError(f"not healthy within {args.ready_timeout:.0f}s")
 

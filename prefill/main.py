@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from pdserve.kvtransfer.faults import FaultPlan
-from pdserve.worker.args import add_worker_args, check_stream_chunks
+from pdserve.worker.args import add_worker_args, check_stream_chunks, model_dir
 from pdserve.worker.process import RoleParts, WorkerContext, run_worker
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,13 @@ def _fault_plan(text: str) -> FaultPlan:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
+    """A prefill worker; of an embedding model, an embed worker (prefill/embed_main.py)."""
+    from pdserve.prefill.embed_main import is_embedding_model, run_embed
+
+    path = model_dir(args, "prefill")
+    if is_embedding_model(path):
+        args.model = path
+        return run_embed(args)
     check_stream_chunks(args, "prefill")
     return run_worker(args, "prefill", _build)
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pdserve.protocol.codec import Message, message
 
-Role = Literal["prefill", "decode", "both"]
+Role = Literal["prefill", "decode", "both", "embed"]  # embed: an embedding model's worker
 
 # upper bounds (seconds) of the KV-transfer-time histogram a worker reports, then +Inf
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -4,7 +4,7 @@ codec is in ``protocol.codec``; what workers say of themselves, in ``protocol.co
 Who sends what::
 
     worker      ── Register, Heartbeat, KVEvents (protocol.control) ─▶ coordinator
-    gateway     ── Generate, Abort; GatewayHello ───────────────────▶ coordinator
+    gateway     ── Generate, Abort; GatewayHello; Embed (protocol.embeddings) ▶ coordinator
     coordinator ── ClusterState (models, each worker's WorkerStatus) ─▶ gateway
     coordinator ── Reserve ─▶ decode ── Reserved ────────────────▶ coordinator
     coordinator ── PrefillJob ─▶ prefill ── TransferDone ─▶ coordinator ─▶ decode
@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 from pdserve.protocol.checks import ProtocolError
 from pdserve.protocol.codec import PROTOCOL_VERSION, Message, decode, encode, message
 from pdserve.protocol.control import Role, WorkerCounters, WorkerLoad
+from pdserve.protocol.embeddings import Embed, EmbedResult
 from pdserve.protocol.planning import LatencySamples, PlanReport
 from pdserve.protocol.sampling import SamplingParams, StructuredSpec
 from pdserve.protocol.tenancy import Share, Tier
@@ -41,6 +43,8 @@ __all__ = [  # its own types, and the codec and sampling names its users read th
     "Abort",
     "Accepted",
     "ClusterState",
+    "Embed",
+    "EmbedResult",
     "FinishReason",
     "Finished",
     "GatewayHello",
@@ -100,7 +104,8 @@ class ServedModel:
     name: str
     root: str
     max_model_len: int
-    ready: bool  # at least one worker can prefill and one can decode it
+    ready: bool  # at least one worker can prefill and one can decode it (embed: one embeds)
+    kind: Literal["generate", "embed"] = "generate"  # embed: served by /v1/embeddings only
 
 
 @dataclass(frozen=True, kw_only=True)

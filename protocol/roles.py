@@ -4,21 +4,23 @@ roles whose keys may send each message there. Every receiver consults this one t
 and logged. Found by reading who sends what (``protocol.messages``' picture)::
 
     receiver      message                                       sender roles
-    coordinator   generate, abort, gateway_hello                gateway
+    coordinator   generate, abort, gateway_hello, embed         gateway
                   register, heartbeat, kv_events, finished,     prefill, decode
                   request_error
                   reserved                                      decode
                   transfer_done                                 prefill
     worker        reserve, prefill_job, transfer_done, abort,   coordinator
-                  kv_peers
+                  kv_peers, embed
     gateway       token_batch                                   prefill, decode
+                  embed_result                                  prefill (an embed worker)
                   request_error                                 coordinator, prefill, decode
                   accepted, cluster_state                       coordinator
     kv            kv_header (zmq); gpu_hello, gpu_begin,        prefill
                   gpu_done (nccl's control channel)
 
 A ``Register`` must also be of a role its key holds: ``both`` (a colocated worker, which
-prefills and decodes) needs both worker roles. ``kv_ack`` travels as a NIXL notification, on
+prefills and decodes) needs both worker roles; ``embed`` (an embedding model's worker, which
+only prefills) a prefill key. ``kv_ack`` travels as a NIXL notification, on
 no socket that carries a key. Not in the table: refused everywhere.
 """
 
@@ -54,6 +56,7 @@ SENDERS: dict[Receiver, dict[str, frozenset[str]]] = {
         "generate": _only(GATEWAY),
         "abort": _only(GATEWAY),
         "gateway_hello": _only(GATEWAY),
+        "embed": _only(GATEWAY),
         "register": WORKERS,
         "heartbeat": WORKERS,
         "kv_events": WORKERS,
@@ -68,11 +71,13 @@ SENDERS: dict[Receiver, dict[str, frozenset[str]]] = {
         "transfer_done": _only(COORDINATOR),
         "abort": _only(COORDINATOR),
         "kv_peers": _only(COORDINATOR),
+        "embed": _only(COORDINATOR),
     },
     Receiver.GATEWAY: {
         "token_batch": WORKERS,
         "request_error": _only(COORDINATOR, PREFILL, DECODE),
         "accepted": _only(COORDINATOR),
+        "embed_result": _only(PREFILL),
         "cluster_state": _only(COORDINATOR),
     },
     Receiver.KV: {
@@ -88,6 +93,7 @@ REGISTERS_AS: dict[str, frozenset[str]] = {
     "prefill": _only(PREFILL),
     "decode": _only(DECODE),
     "both": WORKERS,
+    "embed": _only(PREFILL),
 }
 
 

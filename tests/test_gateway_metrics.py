@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.gateway.observe.prometheus import Counter, Gauge, Histogram, Registry
 from pdserve.protocol.control import WorkerLoad
 from pdserve.protocol.messages import WorkerStatus
 from tests.gateway_util import parse_prometheus

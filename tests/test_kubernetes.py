@@ -307,8 +307,8 @@ def test_one_secret_per_role_and_pdserve_loads_it(rendered: Render, tmp_path: Pa
 
 
 def test_workers_scale_on_the_planners_metric(rendered: Render) -> None:
-    from pdserve.gateway.planning import PlannerMetrics
-    from pdserve.gateway.prometheus import Registry
+    from pdserve.gateway.observe.planning import PlannerMetrics
+    from pdserve.gateway.observe.prometheus import Registry
 
     desired = PlannerMetrics(Registry()).desired
     assert desired.labelnames == ("model", "role")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.gateway.metrics import GatewayMetrics, Outcome, RunMetrics
-from pdserve.gateway.planning import LatencySampler, planner_json
+from pdserve.gateway.observe.planning import LatencySampler, planner_json
 from pdserve.protocol import messages as m
 from pdserve.protocol.planning import MAX_SAMPLES, LatencySamples, PlanReport, samples_problem
 from tests.gateway_util import parse_prometheus

@@ -41,7 +41,10 @@ def check(path: Path, prompt: list[int], got: list[m.TokenLogprob] | None, k: in
         assert len(lp.top) == k
         if k and top_ids is not None and top_vals is not None:
             assert [t for t, _ in lp.top] == top_ids[i].tolist()
-            assert max(abs(v - w) for (_, v), w in zip(lp.top, top_vals[i].tolist())) < BOUND
+            assert (
+                max(abs(v - w) for (_, v), w in zip(lp.top, top_vals[i].tolist(), strict=True))
+                < BOUND
+            )
 
 
 @pytest.mark.parametrize("budget", [2048, 16])  # whole prompts, or chunks of 16 tokens

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import zmq
 
+from pdserve.protocol import messages as m
 from pdserve.protocol.codec import registered
 from pdserve.protocol.control import (
     MAX_TENSOR_PARALLEL_SIZE,
@@ -239,6 +240,14 @@ SAMPLES = [
     KVPeers(added=[KVPeer(worker_id="d0", regions=REGIONS)], gone=["d1"]),
     KVAck(request_id="r1#0", ok=False, reason="checksum mismatch"),
     GROUP,
+    m.Embed(
+        request_id="e1",
+        model="minilm",
+        inputs=[[101, 7592, 102], [101, 102]],
+        stream_address="tcp://127.0.0.1:5",
+        share=m.Share(tenant="t", tier=m.Tier.STANDARD, weight=1, priority=2),
+    ),
+    m.EmbedResult(request_id="e1", dim=2, vectors=bytes(range(16)), num_tokens=5),
     KVHeader(
         request_id="r1",
         dst_block_ids=[4, 9],
@@ -292,7 +301,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 12,
+        "v": 13,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -442,9 +451,9 @@ def test_out_of_range_sampling_is_refused_by_the_codec(changes: dict, message: s
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 12"),
-        (abort_frames(v=6), "Abort: protocol version 6, expected 12"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 12"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 13"),
+        (abort_frames(v=6), "Abort: protocol version 6, expected 13"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 13"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),
@@ -511,7 +520,7 @@ def test_optional_literal_tuple_and_bytes_fields() -> None:
     bad_role = {**msgpack.unpackb(frame), "role": "train"}
     assert (
         decode_error([msgpack.packb(bad_role)])
-        == "Register.role: expected one of ['prefill', 'decode', 'both'], got 'train'"
+        == "Register.role: expected one of ['prefill', 'decode', 'both', 'embed'], got 'train'"
     )
     (frame,) = encode(TransferDone(request_id="r1", first_token_ids=[1], first_logprobs=[LOGPROB]))
     fields = msgpack.unpackb(frame)
@@ -520,7 +529,7 @@ def test_optional_literal_tuple_and_bytes_fields() -> None:
         decode_error([msgpack.packb(fields)])
         == "TransferDone.first_logprobs[0].top[0]: expected tuple[int, float], got list"
     )
-    (frame,) = encode(SAMPLES[-1])
+    (frame,) = encode(next(x for x in SAMPLES if isinstance(x, KVHeader)))
     fields = {**msgpack.unpackb(frame), "checksum": "abc"}
     assert decode_error([msgpack.packb(fields)]) == "KVHeader.checksum: expected bytes, got str"
     fields["checksum"] = None
@@ -725,3 +734,17 @@ def test_push_outbox_loses_nothing_to_a_receiver_that_falls_behind(zctx, caplog)
     assert indices == list(range(count))
     assert "dropped" not in caplog.text
     outbox.close()
+
+
+def test_embed_messages_are_bounded() -> None:
+    """An embed request has 1 to 2,048 non-empty inputs; a result whole rows of floats: a
+    peer's other values are a ``ProtocolError`` on decode."""
+    with pytest.raises(ValueError, match="1 to 2048 inputs"):
+        m.Embed(request_id="e", model="x", inputs=[], stream_address="")
+    with pytest.raises(ValueError, match="no tokens"):
+        m.Embed(request_id="e", model="x", inputs=[[1], []], stream_address="")
+    with pytest.raises(ValueError, match="no whole rows"):
+        m.EmbedResult(request_id="e", dim=3, vectors=b"\0" * 16, num_tokens=1)
+    (frame,) = encode(m.Embed(request_id="e", model="x", inputs=[[1]], stream_address=""))
+    fields = {**msgpack.unpackb(frame), "inputs": [[1]] * 2049}
+    assert "1 to 2048 inputs" in decode_error([msgpack.packb(fields)])

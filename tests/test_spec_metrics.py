@@ -1,6 +1,6 @@
 """Each worker's speculative decoding: ``SpecCounters`` in its heartbeat, refused by the
 coordinator when no worker could have sent them, rendered on ``/metrics``
-(gateway/spec_metrics.py)."""
+(gateway/observe/spec_metrics.py)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from pdserve.gateway.choices import ChoiceUpdate
-from pdserve.gateway.responses import ToolOutput
 from pdserve.gateway.tools.calls import ToolCallDelta, accumulate, call_from_json, delta_json
+from pdserve.gateway.tools.output import ToolOutput
 from pdserve.gateway.tools.request import ToolPlan
 from pdserve.gateway.tools.stages import make_stage
 

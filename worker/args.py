@@ -90,3 +90,14 @@ def check_stream_chunks(args: argparse.Namespace, command: str) -> None:
             f"pdserve {command}: --kv-stream-chunks needs --transfer-backend nixl (the decode "
             f"worker reads each part while later chunks compute), not {args.transfer_backend}"
         )
+
+
+def model_dir(args: argparse.Namespace, role: str) -> str:
+    """``--model`` as a directory (a pulled model's name resolved, pulled if need be), or a
+    ``SystemExit`` saying why not."""
+    from pdserve.models.store import resolve_model
+
+    try:
+        return resolve_model(args.model, args.dtype)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"pdserve {role}: {e}") from None

@@ -14,20 +14,27 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 
 from pdserve.runtime.coordinator_link import CoordinatorLink
 from pdserve.runtime.health_http import HealthServer, start_health
 from pdserve.runtime.liveness import Liveness
-from pdserve.worker.base import Record, Worker
+
+
+class Draining(Protocol):
+    """What the probes read of a worker: whether it drains."""
+
+    @property
+    def draining(self) -> bool: ...
 
 
 @dataclass(frozen=True)
 class Serving:
     """What a serving worker's probes read (each written whole by the thread that owns it)."""
 
-    worker: Worker[Record]
+    worker: Draining  # a Worker, or an embed worker (prefill/embed.py)
     liveness: Liveness
     link: CoordinatorLink | None  # None: readiness does not ask the coordinator
 
@@ -50,7 +57,7 @@ class WorkerHealth:
         return health
 
     def serving(
-        self, worker: Worker[Record], liveness: Liveness, ctx: zmq.SyncContext, coordinator: str
+        self, worker: Draining, liveness: Liveness, ctx: zmq.SyncContext, coordinator: str
     ) -> None:
         if self.server is not None:  # nobody asks otherwise: no connection to watch
             self._link = CoordinatorLink(ctx, coordinator).start()

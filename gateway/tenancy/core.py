@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from pdserve.gateway.errors import OpenAIError, invalid_api_key
 from pdserve.gateway.metrics import Outcome
-from pdserve.gateway.prometheus import Counter, Gauge, Registry
+from pdserve.gateway.observe.prometheus import Counter, Gauge, Registry
 from pdserve.gateway.tenancy.limiter_store import Limits, MemoryStore
 from pdserve.gateway.tenancy.meter import UsageMeter
 from pdserve.gateway.tenancy.ratelimit import (

@@ -4,7 +4,7 @@ of step (``STEP_KINDS``). engine/step_stats.py says how an operator reads them."
 
 from __future__ import annotations
 
-from pdserve.gateway.prometheus import Counter, Gauge, Histogram, Registry
+from pdserve.gateway.observe.prometheus import Counter, Gauge, Histogram, Registry
 from pdserve.protocol.control import (
     OVER_TARGET_REASONS,
     STEP_DECODE_SEQS_BUCKETS,

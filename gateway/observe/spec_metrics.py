@@ -4,7 +4,7 @@ for a worker whose mode is "off". engine/spec/ is what drafts and verifies."""
 
 from __future__ import annotations
 
-from pdserve.gateway.prometheus import Counter, Gauge, Registry
+from pdserve.gateway.observe.prometheus import Counter, Gauge, Registry
 from pdserve.protocol.control import SPEC_STEP_REASONS, SpecCounters
 
 _POSITION_HELP = (

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.gateway.prometheus import Gauge, Registry
+from pdserve.gateway.observe.prometheus import Gauge, Registry
 from pdserve.protocol.planning import MAX_SAMPLES, LatencySamples, PlanReport
 
 
