@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from pdserve.kvtransfer.faults import FaultPlan
-from pdserve.worker.args import add_worker_args, check_stream_chunks, model_dir
+from pdserve.worker.args import add_worker_args, check_stream_chunks, check_worker_args, model_dir
 from pdserve.worker.process import RoleParts, WorkerContext, run_worker
 
 logger = logging.getLogger(__name__)
@@ -41,11 +41,12 @@ def run_prefill(args: argparse.Namespace) -> int:
     """A prefill worker; of an embedding model, an embed worker (prefill/embed_main.py)."""
     from pdserve.prefill.embed_main import is_embedding_model, run_embed
 
+    check_stream_chunks(args, "prefill")  # flags first: before the model is looked for
+    check_worker_args(args, "prefill")
     path = model_dir(args, "prefill")
     if is_embedding_model(path):
         args.model = path
         return run_embed(args)
-    check_stream_chunks(args, "prefill")
     return run_worker(args, "prefill", _build)
 
 

@@ -56,8 +56,9 @@ def worker_tokens(c: ServedCluster) -> dict[str, float]:
 
 
 def test_both_models_are_listed_and_each_serves_its_own_api(cluster, embed_dir) -> None:
-    names = {m.id for m in api(cluster).models.list()}
-    assert names == {cluster.model_name, embed_dir.name}
+    # healthy once a model is served: the other's worker may still be loading
+    both = {cluster.model_name, embed_dir.name}
+    wait_until(lambda: {m.id for m in api(cluster).models.list()} == both, 60, "both models")
     out = api(cluster).completions.create(model=cluster.model_name, prompt="Hi", max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens == 2
     chat_on_embed = {"model": embed_dir.name, "messages": [{"role": "user", "content": "x"}]}

@@ -470,7 +470,8 @@ def test_metrics_endpoint(tokenizers: dict[str, Tokenizer]) -> None:
 
 def test_gateway_does_not_import_torch() -> None:
     modules = ["app", "backend", "choices", "errors", "run", "token_streams", "structured"]
-    modules += ["jobs", "logprobs", "metrics", "prometheus", "openai_models", "responses"]
+    modules += ["jobs", "logprobs", "metrics", "observe.prometheus", "openai_models", "responses"]
+    modules += ["embeddings", "prompt_scores", "responses_api.serve"]
     modules += ["admission", "config", "drain"]
     imports = "; ".join(f"import pdserve.gateway.{m}" for m in modules)
     code = f"import sys; {imports}; print('torch' in sys.modules)"

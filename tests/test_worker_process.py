@@ -161,7 +161,7 @@ def test_a_model_that_is_not_there_is_one_line(env: pytest.MonkeyPatch, tmp_path
             add_decode_args,
             "no-such-model",
             "pdserve decode: --model 'no-such-model' is neither a model directory nor a known "
-            "model name (smollm2-135m-instruct, tiny, small)",
+            "model name (smollm2-135m-instruct, all-minilm-l6-v2, tiny, small)",
         ),
         (
             run_prefill,
