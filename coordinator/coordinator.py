@@ -187,6 +187,7 @@ class Coordinator:
             del self.registry.workers[info.worker_id]
             self.shared.outbox.forget_worker(info.worker_id)
             self.recovery.reroute_from(info.worker_id, now)
+            self.embeds.lost()  # the requests the old process had
         self.shared.silent.heard(info.worker_id)  # a new process: nothing of the old one's
         try:
             self.registry.register(info, now)

@@ -231,7 +231,14 @@ class ZmqBackend(Backend):
     async def _receive_loop(self) -> None:
         stream = self._stream
         while stream is not None:
-            frames = await stream.recv_multipart(copy=False)
+            try:
+                frames = await stream.recv_multipart(copy=False)
+            except zmq.Again:
+                # pyzmq's asyncio socket may wake with nothing to read yet (seen with large
+                # out-of-band frames): no part was taken (a message's parts arrive together),
+                # so wait again; ending here would leave every stream of this gateway silent
+                log.debug("the token stream woke with nothing to read")
+                continue
             try:
                 msg = decode([f.buffer for f in frames])
                 if self.gate.admit(msg, sender_of(frames[0])):

@@ -86,3 +86,14 @@ def test_other_models_are_refused_and_generation_on_an_embedding_model_too() -> 
     state = c.registry.cluster_state()
     kinds = {s.name: (s.kind, s.ready) for s in state.models}
     assert kinds == {"tiny": ("generate", True), "minilm": ("embed", True)}
+
+
+def test_a_restarted_embed_worker_fails_what_its_old_process_had() -> None:
+    c, out = cluster()
+    c.handle(embed("a", 3), 0.0)
+    [(wid, _)] = out.take(m.Embed)
+    info = c.registry.workers[wid].info
+    c.handle(Register(**{**vars(info), "control_address": "new"}), 1.0)  # a new process
+    [error] = out.gateway
+    assert isinstance(error, m.RequestError) and (error.request_id, error.status) == ("a", 503)
+    assert c.embeds.in_flight == {} and c.registry.workers[wid].info.control_address == "new"
