@@ -154,7 +154,7 @@ class Coordinator:
             if not self.embeds.ended(msg.request_id):
                 self._finished(msg)
         elif isinstance(msg, m.Abort):
-            if not self.embeds.ended(msg.request_id):
+            if not self.embeds.abort(msg):
                 self._abort(msg)
         elif not self.embeds.ended(msg.request_id):  # an embed worker told its gateway
             self._worker_error(msg)

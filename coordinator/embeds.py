@@ -61,6 +61,16 @@ class EmbedRouter:
         """The worker is done with it (answered, or failed it to the gateway itself)."""
         return self.in_flight.pop(request_id, None) is not None
 
+    def abort(self, msg: m.Abort) -> bool:
+        """The gateway gave up on one (its timeout): its worker drops it if it still waits."""
+        job = self.in_flight.pop(msg.request_id, None)
+        if job is None:
+            return False
+        worker = self.registry.workers.get(job.worker_id)
+        if worker is not None:
+            self.outbox.to_worker(job.worker_id, worker.info.control_address, msg)
+        return True
+
     def lost(self) -> None:
         """Requests whose worker is no longer registered fail (503, retryable by the client)."""
         live = self.registry.workers

@@ -44,7 +44,9 @@ def test_requests_spread_by_tokens_in_flight_and_are_forgotten_when_answered() -
     # a → e0 (both idle), b → e1, c → e1 (10 < 100), d → e1 (15 < 100)
     assert sent == {"a": "e0", "b": "e1", "c": "e1", "d": "e1"}
     c.handle(m.Finished(request_id="a", choice=0, worker_id="e0"), 0.1)
-    assert set(c.embeds.in_flight) == {"b", "c", "d"}
+    c.handle(m.Abort("d", "timeout"), 0.1)  # the gateway gave up: its worker drops it
+    assert out.take(m.Abort) == [("e1", m.Abort("d", "timeout"))]
+    assert set(c.embeds.in_flight) == {"b", "c"}
     c.handle(embed("e", 1), 0.1)
     assert out.take(m.Embed) == [("e0", embed("e", 1))]
     assert out.gateway == [] and c.routes == {}
