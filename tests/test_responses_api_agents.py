@@ -14,25 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.experiments.agents_sdk import main, run_agent
-from pdserve.models.gguf_convert import tool_chat_template
-from pdserve.models.store import RECORD_FILE
 from tests.e2e_util import ServedCluster
-
-
-@pytest.fixture(scope="module")
-def real_tools_dir(real_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 with the template a conversion writes today (Hermes-style tools), whatever the
-    cached copy has (one pulled before it has the plain one): weights linked, not copied."""
-    out = tmp_path_factory.mktemp("real") / real_dir.name
-    out.mkdir()
-    for f in real_dir.iterdir():
-        if f.name == "tokenizer_config.json":
-            config = json.loads(f.read_text(encoding="utf-8"))
-            config["chat_template"] = tool_chat_template(config["chat_template"])
-            (out / f.name).write_text(json.dumps(config), encoding="utf-8")
-        elif f.name != RECORD_FILE:  # its checksums name the old tokenizer_config.json
-            (out / f.name).symlink_to(f)
-    return out
 
 
 @pytest.fixture(scope="module")

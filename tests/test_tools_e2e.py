@@ -6,7 +6,6 @@ up to the non-streamed message; a conversation carrying tool calls and results i
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import jsonschema_rs
@@ -15,8 +14,6 @@ import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_models import ChatCompletionRequest
-from pdserve.models.gguf_convert import tool_chat_template
-from pdserve.models.store import RECORD_FILE
 from tests.e2e_util import ServedCluster
 
 # bounded schemas: a random model cannot run a constrained call past max_tokens
@@ -160,22 +157,6 @@ def test_tool_history_is_rendered(cluster, tiny_dir) -> None:
     assert (
         out.choices[0].finish_reason in ("stop", "length") and not out.choices[0].message.tool_calls
     )
-
-
-@pytest.fixture(scope="module")
-def real_tools_dir(real_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 with the template a conversion writes today (``tool_chat_template``): a model
-    cached before it has the plain one, so this builds the new one beside it (weights linked)."""
-    out = tmp_path_factory.mktemp("real") / real_dir.name
-    out.mkdir()
-    for f in real_dir.iterdir():
-        if f.name == "tokenizer_config.json":
-            config = json.loads(f.read_text(encoding="utf-8"))
-            config["chat_template"] = tool_chat_template(config["chat_template"])
-            (out / f.name).write_text(json.dumps(config), encoding="utf-8")
-        elif f.name != RECORD_FILE:  # its checksums name the old tokenizer_config.json
-            (out / f.name).symlink_to(f)
-    return out
 
 
 def test_real_model_named_and_required_calls(real_tools_dir) -> None:
