@@ -88,13 +88,17 @@ class Script:
 def plan(request: m.Generate, script: Script) -> list[m.TokenChunk]:
     """The chunks prefill + decode workers would send, in the order they arrive."""
     max_tokens = request.sampling.max_tokens
-    k = request.sampling.logprobs
+    k, kp = request.sampling.logprobs, request.sampling.prompt_logprobs
+    prompt = request.prompt_token_ids
+    scored = None  # the prompt's scores, with token 0 (as the worker that ran it sends them)
+    if kp is not None:
+        scored = [fake_logprobs(t, i, kp, script.vocab_size) for i, t in enumerate(prompt[1:])]
     prefill, decode = [], []
     for c in range(request.n):
         ids = script.choices[c % len(script.choices)]
         finish = "length" if len(ids) > max_tokens else script.finish
         ids = ids[:max_tokens]
-        spans = [(0, 1)] + [
+        spans = [(0, min(1, len(ids)))] + [  # max_tokens 0: one chunk, no token, finished
             (i, min(i + script.decode_batch, len(ids)))
             for i in range(1, len(ids), script.decode_batch)
         ]
@@ -114,6 +118,7 @@ def plan(request: m.Generate, script: Script) -> list[m.TokenChunk]:
                 finish_reason=finish if end == len(ids) else None,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=script.cached_tokens if start == 0 else 0,
+                prompt_logprobs=scored if start == 0 else None,
             )
             for start, end in spans
             if start != script.drop

@@ -54,6 +54,17 @@ def test_echo_with_max_tokens_0_scores_the_prompt(cluster, tiny_dir) -> None:
         assert top is not None and tok.decode([best[i]], skip_special_tokens=False) in top
 
 
+def test_echo_of_a_prompt_of_one_token(cluster, tiny_dir) -> None:
+    """An empty text is its bos alone: listed, scored by nothing, no text."""
+    body = {"prompt": "", "echo": True, "logprobs": 0, "max_tokens": 0}
+    r = post(cluster, "/v1/completions", body)
+    choice = r.json()["choices"][0]
+    assert (r.status_code, choice["text"], choice["finish_reason"]) == (200, "", "length")
+    bos = Tokenizer.from_dir(tiny_dir).encode("", True)
+    assert len(bos) == 1 and choice["logprobs"]["token_logprobs"] == [None]
+    assert choice["logprobs"]["text_offset"] == [0]
+
+
 def test_echo_before_a_generation_streamed_and_not(cluster, tiny_dir) -> None:
     body = {"prompt": "The quick brown fox", "echo": True, "logprobs": 2}
     body |= {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
