@@ -50,8 +50,8 @@ typecheck: $(STAMP)
 	  --config-file "$(CURDIR)/pyproject.toml" --python-executable "$(CURDIR)/$(PY)" $(TYPED)
 
 # Two pytest workers (pytest-xdist), each module's tests on one of them so a module's cluster
-# is started once: 590 s on this 2-core machine (2026-11-29 15:40, 2,107 tests; 569-979 s on
-# other runs, by the host's speed: README).
+# is started once: 993 s on this 2-core machine (2026-11-29 18:02, 2,251 tests; 569-1,067 s
+# on other runs, by the host's speed and the tests then: README).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) typecheck
 	$(VENV)/bin/ruff check .

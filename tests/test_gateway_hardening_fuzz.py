@@ -67,7 +67,10 @@ def fuzz(url: str, path: str, max_examples: int) -> Counter[int]:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_schemathesis_finds_no_5xx(roomy_url: str, path: str) -> None:
     statuses = fuzz(roomy_url, path, 2 * MAX_EXAMPLES)
-    # The bodies were meaningful: many reached the backend, many were refused.
-    assert statuses[200] >= 20 and statuses[400] >= 20 and statuses[404] >= 1, statuses
+    # The bodies were meaningful: many reached the backend, many were refused. (Which of them
+    # name another model varies with the schema's shape: the 404 is asked for below.)
+    assert statuses[200] >= 20 and statuses[400] >= 20, statuses
     assert set(statuses) <= {200, 400, 404, 415}, statuses
+    body = {"model": "not-served", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(f"{roomy_url}{path}", json=body).status_code == 404
     assert httpx.get(f"{roomy_url}/health").status_code == 200
