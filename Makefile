@@ -8,9 +8,9 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 # Debian packages the tests use for real (command:package): a C compiler for the CPU kernels and
 # torch.compile, iproute2 for the network-namespace test, Redis for the shared rate limits,
-# kubectl (with kustomize) to render the Kubernetes overlays. Installed when a command is missing;
-# no test skips for want of one.
-SYSTEM_TOOLS := cc:gcc ip:iproute2 redis-server:redis-server kubectl:kubectl
+# kubectl (with kustomize) to render the Kubernetes overlays, promtool (Debian's prometheus) to
+# check the alert rules. Installed when a command is missing; no test skips for want of one.
+SYSTEM_TOOLS := cc:gcc ip:iproute2 redis-server:redis-server kubectl:kubectl promtool:prometheus
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv test lint typecheck serve clean
