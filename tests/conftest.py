@@ -33,6 +33,7 @@ SLOW_MODULES = (
     "test_e2e_scoring",
     "test_e2e_embeddings",
     "test_responses_api_e2e",
+    "test_prometheus_live",
 )
 
 
