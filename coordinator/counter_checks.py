@@ -39,6 +39,7 @@ def counters_problem(c: WorkerCounters) -> str | None:
         c.recomputed_tokens,
         c.kv_blocks_sent,
         c.kv_bytes_sent,
+        c.kv_transfers_failed,
     )
     if any(not 0 <= v < MAX_COUNT for v in (*totals, *c.transfer_seconds_counts)):
         return "a counter outside [0, 2**63)"

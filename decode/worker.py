@@ -226,6 +226,7 @@ class DecodeWorker(Worker[DecodeRecord]):
                 continue
             state = self.receiver.poll(transfer_id(key))
             if state is KVPoll.FAILED:
+                self.kv_failures += 1  # found here (a failed push, its prefill worker counts)
                 self._transfer_failed(key, record, self.receiver.failure_reason(transfer_id(key)))
             elif state is KVPoll.DONE:
                 self._kv_landed(key, record)

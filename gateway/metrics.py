@@ -146,6 +146,13 @@ class ClusterMetrics:
                 "pdserve_worker_kv_bytes_sent_total", "KV bytes pushed to decode workers.", worker
             )
         )
+        self.kv_transfers_failed = r.add(
+            Counter(
+                "pdserve_worker_kv_transfers_failed_total",
+                "KV pushes that failed (timed out, refused, a broken link) or could not start.",
+                worker,
+            )
+        )
         self.transfer_time = r.add(
             Histogram(
                 "pdserve_worker_kv_transfer_seconds",
@@ -182,6 +189,7 @@ class ClusterMetrics:
             self.recomputed,
             self.kv_blocks_sent,
             self.kv_bytes_sent,
+            self.kv_transfers_failed,
         )
         for metric in (*gauges, *totals, self.transfer_time):
             metric.clear()
@@ -208,6 +216,7 @@ class ClusterMetrics:
                 c.recomputed_tokens,
                 c.kv_blocks_sent,
                 c.kv_bytes_sent,
+                c.kv_transfers_failed,
             )
             for counter, count in zip(totals, counts, strict=True):
                 counter.inc(count, **labels)

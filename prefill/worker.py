@@ -246,6 +246,7 @@ class PrefillWorker(Worker[PrefillRecord]):
         try:  # the decode worker's prefix cache holds its leading ``skip_blocks`` already
             self.offers.final(job, record.held_id, record.transfer_id, record.offered)
         except Exception as e:  # any transport failure fails this transfer only
+            self.kv_failures += 1
             self._free(record.key, PrefillState.FAILED)
             error = f"KV transfer could not start: {e}"
             self.outbox.to_coordinator(dataclasses.replace(done, error=error))
@@ -266,6 +267,8 @@ class PrefillWorker(Worker[PrefillRecord]):
                 return
             record.reported = True
             self.transfers.ended(time.monotonic() - record.transfer_started)
+            if state is not KVPoll.DONE:
+                self.kv_failures += 1
             done = record.done
         reason = self.sender.failure_reason(transfer)
         error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"

@@ -32,7 +32,7 @@ PROTOCOL_VERSION = 13  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReas
 # .recomputed_tokens (KV by need); 11: Register.tensor_parallel_size (a worker is a
 # tensor-parallel group; its size also reaches PlanReport.load as prefill_tp, decode_tp);
 # 13: SamplingParams.prompt_logprobs, TokenChunk.prompt_logprobs, ServedModel.kind, the
-# "embed" role, Embed and EmbedResult (protocol.embeddings)
+# "embed" role, Embed and EmbedResult (protocol.embeddings), WorkerCounters.kv_transfers_failed
 OOB_EXT = 1  # msgpack ext code of an out-of-band frame reference
 OOB_MIN_BYTES = 4096  # bytes values at least this large go out of band
 _RESERVED = ("type", "v")

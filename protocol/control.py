@@ -184,6 +184,7 @@ class WorkerCounters:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     kv_blocks_sent: int = 0  # KV blocks it pushed to decode workers
     kv_bytes_sent: int = 0
+    kv_transfers_failed: int = 0  # pushes that failed (timed out, refused, a broken link)
     transfer_seconds_sum: float = 0.0
     # pushes that ended (done or failed) by time taken: one count per
     # ``TRANSFER_SECONDS_BUCKETS`` bound and one past the last (not cumulative); empty: none

@@ -180,7 +180,13 @@ class Cluster:
             for events in self.kv_events[wid].messages():
                 self.coordinator.handle(m.decode(m.encode(events)), time.monotonic())
             self.coordinator.handle(
-                heartbeat(w.engine, wid, w.queued_prompt_tokens, transfers=w.transfers),
+                heartbeat(
+                    w.engine,
+                    wid,
+                    w.queued_prompt_tokens,
+                    transfers=w.transfers,
+                    kv_failures=w.kv_failures,
+                ),
                 time.monotonic(),
             )
 

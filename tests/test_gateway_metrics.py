@@ -91,6 +91,7 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_kv_blocks_growth": "gauge",
         "pdserve_worker_kv_blocks_sent_total": "counter",
         "pdserve_worker_kv_bytes_sent_total": "counter",
+        "pdserve_worker_kv_transfers_failed_total": "counter",
         "pdserve_worker_kv_transfer_seconds": "histogram",
         "pdserve_worker_step_seconds": "histogram",
         "pdserve_worker_step_prefill_tokens": "histogram",

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.coordinator.counter_checks import counters_problem
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import TRANSFER_SECONDS_BUCKETS, WorkerCounters, WorkerLoad
 from pdserve.worker.wire import block_bytes
@@ -54,6 +55,7 @@ def test_gateway_renders_each_workers_totals() -> None:
         prefill_tokens=40,
         kv_blocks_sent=9,
         kv_bytes_sent=9 * 1024,
+        kv_transfers_failed=1,
         transfer_seconds_sum=3.01,
         transfer_seconds_counts=counts,
     )
@@ -78,6 +80,7 @@ def test_gateway_renders_each_workers_totals() -> None:
         f"pdserve_worker_prefill_tokens_total{{{labels}}} 40.0",
         f"pdserve_worker_kv_blocks_sent_total{{{labels}}} 9.0",
         f"pdserve_worker_kv_bytes_sent_total{{{labels}}} 9216.0",
+        f"pdserve_worker_kv_transfers_failed_total{{{labels}}} 1.0",
         f'pdserve_worker_kv_transfer_seconds_bucket{{{labels},le="0.001"}} 0',
         f'pdserve_worker_kv_transfer_seconds_bucket{{{labels},le="0.005"}} 3',
         f'pdserve_worker_kv_transfer_seconds_bucket{{{labels},le="+Inf"}} 4',
@@ -92,9 +95,31 @@ def test_gateway_renders_each_workers_totals() -> None:
     [
         {"prefill_tokens": -1},
         {"kv_bytes_sent": 1 << 63},
+        {"kv_transfers_failed": -1},
         {"transfer_seconds_sum": float("nan")},
         {"transfer_seconds_counts": [1, 2]},
     ],
 )
 def test_impossible_totals_are_refused(change: dict) -> None:
     assert counters_problem(dataclasses.replace(WorkerCounters(), **change)) is not None
+
+
+def test_a_failed_push_is_counted(tiny_dir) -> None:
+    """Every push corrupted: the decode worker refuses the KV, counts the failure and
+    recomputes (the stream goes on); the prefill worker's push ended, timed, as sent."""
+    engines = [make_engine(tiny_dir)], [make_engine(tiny_dir)]
+    cluster = Cluster(*engines, fault=FaultPlan("corrupt"))
+    try:
+        for i, p in enumerate(prompts(512, [9, 14], seed=82)):
+            cluster.submit(f"r{i}", p, SPEC)
+        cluster.pump()
+        assert all(len(cluster.tokens(f"r{i}")[0]) == 8 for i in range(2))
+        cluster.heartbeats()
+        state = cluster.coordinator.registry.cluster_state()
+        counters = {w.worker_id: w.counters for w in state.workers}
+    finally:
+        cluster.close()
+    # the decode worker found each push broken (the sender's side saw it sent)
+    assert (counters["p0"].kv_transfers_failed, counters["d0"].kv_transfers_failed) == (0, 2)
+    assert sum(counters["p0"].transfer_seconds_counts) == 2
+    assert counters_problem(counters["d0"]) is None

@@ -44,6 +44,7 @@ class Worker(ABC, Generic[R]):
         self.tokens = TokenBatcher(outbox)  # this step's chunks, one message per gateway
         self.draining = False
         self.records: dict[ChoiceKey, R] = {}
+        self.kv_failures = 0  # KV transfers that failed here: pushes, or KV received broken
 
     @abstractmethod
     def handle(self, msg: m.Message) -> None:

@@ -89,7 +89,8 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         for events in kv_events.messages():  # what its prefix cache holds, for routing
             outbox.to_coordinator(events)
         queued, draining = worker.queued_prompt_tokens, worker.draining
-        liveness.publish(heartbeat(engine, worker_id, queued, draining, worker.transfers))
+        failures = worker.kv_failures
+        liveness.publish(heartbeat(engine, worker_id, queued, draining, worker.transfers, failures))
 
     step = worker.step
     board = None

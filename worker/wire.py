@@ -134,9 +134,12 @@ def block_bytes(engine: LLMEngine) -> int:
     return layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * itemsize
 
 
-def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -> WorkerCounters:
+def worker_counters(
+    engine: LLMEngine, transfers: TransferStats | None = None, kv_failures: int = 0
+) -> WorkerCounters:
     """This worker's totals since it started (every role's heartbeat): prompt tokens, KV
-    pushed (``transfers``: a worker that pushes none has no transfer histogram) and steps."""
+    pushed (``transfers``: a worker that pushes none has no transfer histogram), transfers
+    failed here (``Worker.kv_failures``) and steps."""
     t = transfers or TransferStats()
     return WorkerCounters(
         prefix_hit_tokens=engine.status.prefix_hit_tokens,
@@ -145,6 +148,7 @@ def worker_counters(engine: LLMEngine, transfers: TransferStats | None = None) -
         recomputed_tokens=engine.recomputed_tokens,
         kv_blocks_sent=t.blocks,
         kv_bytes_sent=t.bytes,
+        kv_transfers_failed=kv_failures,
         transfer_seconds_sum=t.seconds_sum,
         transfer_seconds_counts=list(t.counts) if transfers is not None else [],
         steps=engine.step_counters(),
@@ -158,6 +162,7 @@ def heartbeat(
     queued_prompt_tokens: int,
     draining: bool = False,
     transfers: TransferStats | None = None,
+    kv_failures: int = 0,
 ) -> Heartbeat:
     """This worker's load and totals now (built on the loop thread, the only one touching the
     engine)."""
@@ -173,4 +178,5 @@ def heartbeat(
         growth_blocks=status.growth_blocks,
         expected_output_tokens=status.expected_output_tokens,
     )
-    return Heartbeat(worker_id=worker_id, load=load, counters=worker_counters(engine, transfers))
+    counters = worker_counters(engine, transfers, kv_failures)
+    return Heartbeat(worker_id=worker_id, load=load, counters=counters)
