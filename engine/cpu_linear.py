@@ -48,6 +48,20 @@ def onednn_status(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     return True, f"oneDNN packed linear layers (torch {torch.__version__})"
 
 
+def use_onednn(choice: str, dtype: torch.dtype, flag: str, what: str) -> bool:
+    """Whether ``what`` (linear layers) go through oneDNN for ``choice``: auto where it runs
+    here (else through torch, logged), onednn or an error naming ``flag`` and why, torch never."""
+    if choice == "torch":
+        return False
+    usable, reason = onednn_status(dtype)
+    if usable:
+        return True
+    if choice == "onednn":
+        raise RuntimeError(f"{flag} onednn: {reason}")
+    logger.info("%s through torch: %s", what, reason)
+    return False
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` held in oneDNN's blocked layout (a buffer, not a param)."""
 

@@ -225,6 +225,9 @@ class LLMEngine:
             each = zip(batch.seqs, batch.num_new_tokens, decoding, strict=True)
             chunks = [(s, n) for s, n, d in each if not d]
             spec.draft.follow([s for s, _ in chunks], [n for _, n in chunks])
+        for (seq, *_), scored in zip(inputs.scored, inputs.prompt_logprobs, strict=True):
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs += scored
         for seq, n, was_decode in zip(batch.seqs, batch.num_new_tokens, decoding, strict=True):
             if seq.spec_tokens:
                 continue  # a verification: what it computed is what it keeps (spec.settle)
@@ -234,12 +237,8 @@ class LLMEngine:
             self.recomputed_tokens += max(0, min(done + n, seq.recompute_until) - done)
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq, seq.draft_lag)
-        for (seq, *_), scored in zip(inputs.scored, inputs.prompt_logprobs, strict=True):
-            if seq.prompt_logprobs is not None:
-                seq.prompt_logprobs += scored
-        for seq in batch.seqs:  # max_tokens 0: its prompt scored, it ends with no token
             if seq.params.max_tokens == 0 and seq.num_uncomputed_tokens == 0:
-                self.requests.finish_scored(seq)
+                self.requests.finish_scored(seq)  # its prompt scored, it ends with no token
                 outputs.append(self._output(seq))
         if inputs.sample_seqs:
             plain, plain_logits, checks = split_rows(inputs, logits)

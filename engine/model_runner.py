@@ -248,13 +248,9 @@ class ModelRunner:
         """oneDNN-packed linear layers on CPU (engine/cpu_linear.py), unless told otherwise."""
         if self.device.type != "cpu" or choice == "torch":
             return "torch"
-        from pdserve.engine.cpu_linear import onednn_status, pack_linears, packed_head
+        from pdserve.engine.cpu_linear import pack_linears, packed_head, use_onednn
 
-        usable, reason = onednn_status(self.dtype)
-        if not usable:
-            if choice == "onednn":
-                raise RuntimeError(f"--cpu-linear onednn: {reason}")
-            logger.info("linear layers through torch: %s", reason)
+        if not use_onednn(choice, self.dtype, "--cpu-linear", "linear layers"):
             return "torch"
         packed = pack_linears(self.model)  # the float ones: quantized layers stay as they are
         if self.model.lm_head is None and self.model.tied_head is None:

@@ -16,15 +16,13 @@ import zmq
 from pdserve.engine.embed.model import EmbeddingModel, model_kind
 from pdserve.engine.embed.sentence_config import EmbeddingConfigError
 from pdserve.prefill.embed import EmbedWorker, embed_register, new_worker_id
-from pdserve.protocol.roles import Receiver
 from pdserve.runtime import security
-from pdserve.runtime.gate import RoleGate
 from pdserve.runtime.liveness import Liveness
-from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
+from pdserve.runtime.loop import PushOutbox
 from pdserve.runtime.sockets import bound_address, make_socket
 from pdserve.worker.args import HEARTBEAT_PERIOD_S, check_worker_args
 from pdserve.worker.health import WorkerHealth
-from pdserve.worker.process import advertised
+from pdserve.worker.process import advertised, serve_worker
 
 log = logging.getLogger(__name__)
 
@@ -81,19 +79,12 @@ def run_embed(args: argparse.Namespace) -> int:
         model.max_seq_len,
         address,
     )
+
+    def periodic(now: float) -> None:
+        liveness.publish(worker.heartbeat())
+
     try:
-        serve(
-            control,
-            worker.handle,
-            worker.step,
-            lambda now: liveness.publish(worker.heartbeat()),
-            stop_on_signals(),
-            period_s=HEARTBEAT_PERIOD_S,
-            drain=worker,
-            drain_timeout_s=args.drain_timeout,
-            liveness=liveness,
-            admit=RoleGate(keys, Receiver.WORKER).admit,  # the coordinator's key only
-        )
+        serve_worker(args, control, worker.handle, worker.step, periodic, worker, liveness, keys)
     finally:
         outbox.close()
         control.close()

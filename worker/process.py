@@ -30,7 +30,7 @@ from pdserve.protocol.transfer import KVPeers
 from pdserve.runtime import security
 from pdserve.runtime.gate import RoleGate
 from pdserve.runtime.liveness import Liveness
-from pdserve.runtime.loop import PushOutbox, serve, stop_on_signals
+from pdserve.runtime.loop import Drain, PushOutbox, serve, stop_on_signals
 from pdserve.runtime.sockets import bound_address, make_socket
 from pdserve.worker.args import HEARTBEAT_PERIOD_S, check_worker_args
 from pdserve.worker.base import Record, Worker
@@ -108,17 +108,8 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         register.control_address,
     )
     try:
-        serve(
-            control,
-            lambda msg: _handle(msg, parts),
-            step,
-            periodic,
-            stop_on_signals(),
-            period_s=HEARTBEAT_PERIOD_S,
-            drain=worker,
-            drain_timeout_s=args.drain_timeout,
-            liveness=liveness,
-            admit=RoleGate(keys, Receiver.WORKER).admit,  # the coordinator's key only
+        serve_worker(
+            args, control, lambda msg: _handle(msg, parts), step, periodic, worker, liveness, keys
         )
     finally:
         if board is not None:
@@ -130,6 +121,32 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
         health.close()  # its connection to the coordinator first: term waits for sockets
         ctx.term()
     return 0
+
+
+def serve_worker(
+    args: argparse.Namespace,
+    control: zmq.SyncSocket,
+    handle: Callable[[Message], None],
+    step: Callable[[], bool],
+    periodic: Callable[[float], None],
+    worker: Drain,
+    liveness: Liveness,
+    keys: security.Security | None,
+) -> None:
+    """A worker's loop until signalled (then it drains ``worker``): its control messages, the
+    coordinator's key only, each step, and ``periodic`` once a heartbeat period."""
+    serve(
+        control,
+        handle,
+        step,
+        periodic,
+        stop_on_signals(),
+        period_s=HEARTBEAT_PERIOD_S,
+        drain=worker,
+        drain_timeout_s=args.drain_timeout,
+        liveness=liveness,
+        admit=RoleGate(keys, Receiver.WORKER).admit,
+    )
 
 
 def _on_board(step: Callable[[], bool], engine: LLMEngine, board: CoreBoard) -> Callable[[], bool]:

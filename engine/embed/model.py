@@ -14,7 +14,6 @@ layers run through oneDNN with packed weights where it works (engine/cpu_linear.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import SUPPORTED_ARCHITECTURES
-from pdserve.engine.cpu_linear import onednn_status, pack_linears
+from pdserve.engine.cpu_linear import pack_linears, use_onednn
 from pdserve.engine.embed.pooling import normalize, pool
 from pdserve.engine.embed.sentence_config import (
     EmbeddingConfigError,
@@ -31,8 +30,6 @@ from pdserve.engine.embed.sentence_config import (
     read_sentence_config,
 )
 from pdserve.engine.embed.tokenize import EmbedTokenizer, InputTooLongError
-
-logger = logging.getLogger(__name__)
 
 LINEARS = ("auto", "onednn", "torch")  # as --cpu-linear
 MAX_BATCH_TOKENS = 8192  # tokens per forward pass; a larger batch runs in several
@@ -170,13 +167,7 @@ def model_kind(path: Path) -> str:
 def _pack(module: nn.Module, choice: str) -> str:
     """``module``'s linear layers packed for oneDNN unless ``choice`` is torch or oneDNN is
     unusable here (an error if ``choice`` is onednn); what they run through."""
-    if choice == "torch":
-        return "torch"
-    usable, reason = onednn_status(torch.float32)
-    if not usable:
-        if choice == "onednn":
-            raise RuntimeError(f"linear onednn: {reason}")
-        logger.info("embedding model's linear layers through torch: %s", reason)
+    if not use_onednn(choice, torch.float32, "linear", "embedding model's linear layers"):
         return "torch"
     pack_linears(module)
     return "onednn"
