@@ -3,11 +3,16 @@
 Starts ``pdserve serve`` (1 prefill + 2 decode, injected KV corruption, checksums on), then
 keeps ``--clients`` streaming clients busy for ``--duration`` seconds: some clients give up
 mid-stream, one decode worker is killed (kill -9) a third of the way in and the prefill worker
-two thirds in (``serve`` restarts both). Prints requests completed, failed cleanly, hung (must
-be 0), blocks leaked (must be 0) and each role's RSS at start and end.
+two thirds in (``serve`` restarts both; ``--kill`` chooses). Prints requests completed, failed
+cleanly, hung (must be 0), blocks leaked (must be 0) and each role's RSS at start and end; and,
+for each window between kills, the requests that began in it by outcome: ``refused`` (an error
+status before any token: a new request the cluster could not take) apart from ``failed in
+flight`` (an error event after the stream began: a stream on the killed worker).
 
     .venv/bin/python bench/experiments/soak.py                  # 120 s, tiny model
     .venv/bin/python bench/experiments/soak.py --duration 600 --model DIR
+    .venv/bin/python bench/experiments/soak.py --model MODEL_DIR --kv-fault none \
+        --kill prefill-0@0.5              # the only prefill worker killed
 """
 
 from __future__ import annotations
@@ -41,7 +46,22 @@ def parse_args() -> argparse.Namespace:
         "--hang-after", type=float, default=30.0, help="a stream silent this long counts as hung"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kill",
+        default="decode-1@0.333,prefill-0@0.667",
+        help="WORKER@FRACTION,...: each killed (kill -9) that far into the run",
+    )
+    p.add_argument("--serve-flags", default="", help="more flags for pdserve serve")
     return p.parse_args()
+
+
+def kills(spec: str) -> list[tuple[float, str]]:
+    """``WORKER@FRACTION,...`` -> (fraction, worker), in time order."""
+    out = []
+    for part in filter(None, spec.split(",")):
+        victim, _, fraction = part.partition("@")
+        out.append((float(fraction), victim))
+    return sorted(out)
 
 
 def roles(serve_pid: int) -> dict[str, int]:
@@ -84,6 +104,7 @@ async def client(
     rng: random.Random,
     tally: Counter[str],
     hang_after: float,
+    begun: list[tuple[float, str]],
 ) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after)) as http:
         while time.monotonic() < stop_at:
@@ -95,18 +116,23 @@ async def client(
                 "max_tokens": rng.randint(8, 200),
                 "ignore_eos": True,
             }
-            outcome = "hung"
+            outcome, at = "hung", time.monotonic()
             try:
                 async with http.stream("POST", f"{base}/v1/completions", json=body) as r:
                     if r.status_code != 200:
                         await r.aread()
                         outcome = "failed cleanly" if "error" in r.json() else "bad error"
+                        begun.append((at, "refused" if "error" in r.json() else outcome))
                     else:
                         outcome = await _read(r, give_up, rng)
+                        window = "failed in flight" if outcome == "failed cleanly" else outcome
+                        begun.append((at, window))
             except httpx.TimeoutException:
                 outcome = "hung"
+                begun.append((at, outcome))
             except httpx.HTTPError as e:
                 outcome = f"connection error ({type(e).__name__})"
+                begun.append((at, outcome))
             tally[outcome] += 1
 
 
@@ -124,22 +150,40 @@ async def _read(r: httpx.Response, give_up: bool, rng: random.Random) -> str:
     return "stream ended without [DONE]"
 
 
-async def load(base: str, model: str, args: argparse.Namespace, serve_pid: int) -> Counter[str]:
+async def load(
+    base: str,
+    model: str,
+    args: argparse.Namespace,
+    serve_pid: int,
+    begun: list[tuple[float, str]],
+    killed: list[tuple[float, str]],
+) -> Counter[str]:
+    """Run the clients; ``begun`` gets each request's start and window outcome, ``killed``
+    each kill's time and victim."""
     tally: Counter[str] = Counter()
     start = time.monotonic()
     stop_at = start + args.duration
     rng = random.Random(args.seed)
     tasks = [
         asyncio.create_task(
-            client(base, model, stop_at, random.Random(rng.random()), tally, args.hang_after)
+            client(
+                base,
+                model,
+                stop_at,
+                random.Random(rng.random()),
+                tally,
+                args.hang_after,
+                begun,
+            )
         )
         for _ in range(args.clients)
     ]
-    for fraction, victim in ((1 / 3, "decode-1"), (2 / 3, "prefill-0")):
+    for fraction, victim in kills(args.kill):
         await asyncio.sleep(max(0.0, start + args.duration * fraction - time.monotonic()))
         pid = roles(serve_pid).get(victim)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
+            killed.append((time.monotonic(), victim))
             print(f"[{time.monotonic() - start:6.1f}s] killed {victim} (pid {pid})", flush=True)
     await asyncio.gather(*tasks)
     return tally
@@ -150,12 +194,16 @@ def main() -> None:
     from pdserve.models.make_model import default_model_dir
 
     model = args.model or str(default_model_dir("tiny"))
-    flags = ["--prefill=1", "--decode=2", f"--kv-fault={args.kv_fault}"]
+    flags = ["--prefill=1", "--decode=2", *args.serve_flags.split()]
+    if args.kv_fault != "none":
+        flags.append(f"--kv-fault={args.kv_fault}")
     cluster = ServeProcess(model, flags)
     serve, base = cluster.proc, cluster.url
+    begun: list[tuple[float, str]] = []
+    killed: list[tuple[float, str]] = []
     try:
         rss_start = {name: rss_mib(pid) for name, pid in roles(serve.pid).items()}
-        tally = asyncio.run(load(base, Path(model).name, args, serve.pid))
+        tally = asyncio.run(load(base, Path(model).name, args, serve.pid, begun, killed))
         time.sleep(3)  # heartbeats catch up
         leaked = sum(used_blocks(base).values())
         rss_end = {name: rss_mib(pid) for name, pid in roles(serve.pid).items()}
@@ -171,8 +219,25 @@ def main() -> None:
     print(f"  {'role':<14} {'RSS start MiB':>14} {'RSS end MiB':>12}")
     for name in sorted(rss_end):
         print(f"  {name:<14} {rss_start.get(name, float('nan')):>14.1f} {rss_end[name]:>12.1f}")
+    print_windows(begun, killed)
     ok = tally.get("hung", 0) == 0 and leaked == 0
     sys.exit(0 if ok else 1)
+
+
+def print_windows(begun: list[tuple[float, str]], killed: list[tuple[float, str]]) -> None:
+    """The requests begun in each window (from the start, then from each kill on) by outcome."""
+    edges = [(float("-inf"), "from the start")] + [(at, f"after {w} killed") for at, w in killed]
+    outcomes = ("completed", "client gave up", "refused", "failed in flight", "hung")
+    print(f"  {'requests begun':<26}" + "".join(f"{o:>18}" for o in outcomes))
+    for i, (edge, name) in enumerate(edges):
+        end = edges[i + 1][0] if i + 1 < len(edges) else float("inf")
+        counts = Counter(o for at, o in begun if edge <= at < end)
+        print(f"  {name:<26}" + "".join(f"{counts.get(o, 0):>18}" for o in outcomes))
+    for at, w in killed:  # the refusals right after a kill: how long new requests failed
+        refused = [t - at for t, o in begun if o == "refused" and t >= at]
+        if refused:
+            span = f"+{min(refused):.1f} s to +{max(refused):.1f} s"
+            print(f"  after {w} killed: new requests refused from {span}")
 
 
 if __name__ == "__main__":
