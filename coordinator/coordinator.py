@@ -12,6 +12,12 @@ Route of one choice (``ChoiceKey``; states ``RouteState``, coordinator.routes)::
 Conditional disaggregation (``ConditionalDisaggPolicy``): a short uncached prompt, or any while
 every prefill worker is busy, is prefilled by its decode worker itself (no transfer).
 
+Degraded, not refused: once a model's pools were whole, a model with no live prefill worker
+has its decode workers prefill new requests themselves (decision ``local_no_prefill``); one
+with no worker that can decode holds its requests up to ``hold_timeout_s`` for one to come
+back (``Holds``); a prefill job whose worker died with no other prefill worker left is
+recomputed on the decode worker that holds its blocks (``Recovery``).
+
 Every wait has a bound (``Recovery``): a decode worker that does not answer ``Reserve`` within
 ``reserve_timeout_s`` (or refuses it) is passed over for another one; a prefill job with no
 ``TransferDone`` within ``prefill_timeout_s`` moves to another prefill worker. With no other
@@ -28,6 +34,7 @@ waits, and everything it says goes through a ``CoordinatorOutbox``. It holds its
     local         LocalPrefill    one worker runs both phases (dispatch.py)
     recovery      Recovery        dead and silent workers, timeouts (recovery.py)
     peers         TransferPeers   whose KV regions each worker knows (nixl; peers.py)
+    rollouts      Rollouts        versions behind one name, the canary gate (rollouts.py)
 
 and the decisions, pure objects (policies.py): ``PlacementPolicy``, ``ConditionalDisaggPolicy``,
 ``AdmissionPolicy``. The workers, and what each may say, are the registry's (registry.py).
@@ -40,8 +47,10 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
+from pdserve.coordinator.canary_gate import GateConfig
 from pdserve.coordinator.dispatch import LocalPrefill, Reservations
 from pdserve.coordinator.embeds import EmbedRouter
+from pdserve.coordinator.holds import DEFAULT_HOLD_S, Holds
 from pdserve.coordinator.peers import TransferPeers
 from pdserve.coordinator.placement import Placement
 from pdserve.coordinator.planner import Planner
@@ -51,15 +60,19 @@ from pdserve.coordinator.policies import (
     MAX_QUEUED,
     AdmissionPolicy,
     ConditionalDisaggPolicy,
+    LocalReason,
     RoutingMode,
 )
 from pdserve.coordinator.recovery import Recovery, Timeouts
-from pdserve.coordinator.registry import WorkerRegistry
+from pdserve.coordinator.registry import ModelState, WorkerRegistry
+from pdserve.coordinator.rollouts import Rollouts, RolloutTable
 from pdserve.coordinator.routes import CoordinatorOutbox, Route, RouteState, RouteTable, Shared
 from pdserve.kvtransfer.base import LayoutMismatchError
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import Heartbeat, KVEvents, Register
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.phases import Phase
+from pdserve.protocol.rollouts import RolloutCommand
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +98,14 @@ class Coordinator:
         planner_interval_s: float = 5.0,
         planner_window_s: float = 30.0,
         auto_local: bool = False,
+        hold_timeout_s: float = DEFAULT_HOLD_S,
+        rollouts: RolloutTable | None = None,
+        canary_gate: GateConfig | None = None,
     ) -> None:
         timeouts = Timeouts(reserve_timeout_s, prefill_timeout_s, queue_timeout_s)
         disagg = ConditionalDisaggPolicy(max_local_prefill_tokens, max_prefill_queue_tokens)
-        self.shared = Shared(outbox, WorkerRegistry(heartbeat_timeout_s))
+        self.shared = Shared(outbox, WorkerRegistry(heartbeat_timeout_s, hold_s=hold_timeout_s))
+        self.holds = Holds(hold_timeout_s)
         self.admission = AdmissionPolicy(max_queued)
         self.placement = Placement(self.registry, RoutingMode.parse(routing), hot_spot_tokens)
         self.reservations = Reservations(self.shared, self.placement, self.admission)
@@ -102,9 +119,10 @@ class Coordinator:
         )
         self.local = LocalPrefill(self.shared, self.placement, disagg, self.planning.threshold)
         self.peers = TransferPeers(self.shared)
-        parts = (self.shared, self.placement, self.reservations, timeouts, self.peers)
+        parts = (self.shared, self.placement, self.reservations, timeouts, self.peers, self.local)
         self.recovery = Recovery(*parts)
         self.embeds = EmbedRouter(self.shared.outbox, self.shared.registry)
+        self.rollouts = Rollouts(self.shared.outbox, self.registry, rollouts, canary_gate)
         self.decisions: Counter[str] = Counter()  # each choice's route by reason
         self.started_at: float | None = None  # its first message: then it knows no worker
 
@@ -127,6 +145,7 @@ class Coordinator:
         self.started_at = now if self.started_at is None else self.started_at
         if isinstance(msg, Register):
             self._register(msg, now)
+            self._run_held(now)
         elif isinstance(msg, Heartbeat):
             if self.registry.heartbeat(msg, now):
                 self.reservations.place_queued(now)  # its free blocks are known afresh
@@ -134,10 +153,12 @@ class Coordinator:
             self.registry.kv_events(msg)
         elif isinstance(msg, m.GatewayHello):
             self.planning.heard(msg, now)
+            self.rollouts.heard(msg, now)
             state = dataclasses.replace(
                 self.registry.cluster_state(),
                 routing=self._routing(),
                 plans=self.planning.reports(),
+                rollouts=self.rollouts.rollouts(),
             )
             self.shared.outbox.to_gateway(msg.stream_address, state)
         elif isinstance(msg, m.Generate):
@@ -156,6 +177,8 @@ class Coordinator:
         elif isinstance(msg, m.Abort):
             if not self.embeds.abort(msg):
                 self._abort(msg)
+        elif isinstance(msg, RolloutCommand):  # from an admin key (runtime.gate)
+            self.rollouts.command(msg)
         elif not self.embeds.ended(msg.request_id):  # an embed worker told its gateway
             self._worker_error(msg)
 
@@ -165,7 +188,9 @@ class Coordinator:
         self.embeds.lost()
         self.recovery.expire_waits(now)
         self.reservations.place_queued(now)
+        self._run_held(now)
         self.planning.tick(now)
+        self.rollouts.tick(now)
 
     def _queued(self, model: str) -> int:
         """Choices of ``model`` waiting for decode blocks."""
@@ -197,8 +222,28 @@ class Coordinator:
         logger.info("registered %s worker %s for %s", info.role, info.worker_id, info.model)
         self.peers.joined(info)
 
+    def _run_held(self, now: float) -> None:
+        """Place the held requests whose model can take them now; fail those held too long."""
+        if not len(self.holds):
+            return
+        reg = self.registry
+        runnable, expired = self.holds.take(lambda model: reg.state(model) is not HOLDING, now)
+        for req in runnable:
+            self._generate(req, now)
+        for held in expired:
+            waited = now - held.since
+            why = f"model {held.request.model} had no worker to take it for {waited:.1f} s"
+            self.shared.error_to(held.request, 503, why)
+
     def _generate(self, req: m.Generate, now: float) -> None:
         reg, shared = self.registry, self.shared
+        state = reg.state(req.model)
+        if state is HOLDING:  # a worker is away (restarting): wait for it, a bounded while
+            if not self.holds.hold(req, now):
+                shared.error_to(req, 503, f"model {req.model} has no worker to take it now")
+            else:
+                logger.info("request %s: held (no worker for %s now)", req.request_id, req.model)
+            return
         if req.model not in reg.models():
             # until every live worker has registered again (a restarted coordinator), an
             # unknown model may only be one whose workers it has not heard yet: retryable
@@ -211,7 +256,7 @@ class Coordinator:
             why = f"model `{req.model}` is an embedding model: use /v1/embeddings"
             shared.error_to(req, 400, why)
             return
-        if not reg.ready(req.model):
+        if state is ModelState.ABSENT:
             shared.error_to(req, 503, f"model {req.model} has no prefill and decode workers yet")
             return
         self.planning.arrived(req, now)
@@ -231,6 +276,12 @@ class Coordinator:
             self.local.resume(req, req.resume_choice, now)
             return
         # the n choices go as one: one prefill, forked where they decode (engine/fork.py)
+        if state is ModelState.NO_PREFILL:
+            reason = self.local.prefill_on_decode(req, now, LocalReason.NO_PREFILL)
+            self.decisions[reason.value if reason is not None else "disaggregated"] += req.n
+            if reason is None:  # no room now: it queues, and is prefilled where it decodes
+                self.reservations.reserve(req, 0, now)
+            return
         if not self.placement.disaggregated(req.model):
             self.decisions["colocated"] += req.n
             self.local.run_colocated(req, now)
@@ -250,8 +301,8 @@ class Coordinator:
         req, shared = route.request, self.shared
         avoid = shared.avoid(now)
         prefill = self.placement.pick_prefill(req.model, req.prompt_token_ids, avoid)
-        if prefill is None:
-            shared.fail(route.key, 503, f"model {req.model} has no prefill worker")
+        if prefill is None:  # the prefill pool is gone: the decode worker prefills it itself
+            self.local.instead_of_transfer(route, f"model {req.model} has no prefill worker", now)
             return
         for c in route.members():
             accepted = m.Accepted(request_id=req.request_id, choice=c)
@@ -269,9 +320,12 @@ class Coordinator:
             skip_blocks=msg.cached_blocks,
             choices=route.choices,
             share=req.share,
+            trace=shared.trace_for(req, msg.choice),
+            phases={Phase.COORDINATOR_WAIT: now - route.arrived},  # queued + reserving
         )
         route.prefill_on(prefill.worker_id, job, now)
         shared.send(prefill.worker_id, job)
+        shared.traced(req, msg.choice, route.arrived, now, route.decode, prefill.worker_id)
 
     def _transfer_done(self, msg: m.TransferDone, now: float) -> None:
         key = ChoiceKey(msg.request_id, msg.choice)
@@ -302,6 +356,7 @@ class Coordinator:
 
     def _abort(self, msg: m.Abort) -> None:
         gateways = self.shared.drop(msg.request_id, msg.choice, msg.reason)
+        gateways |= {held.stream_address for held in self.holds.drop(msg.request_id)}
         # The gateway that asked has dropped the request and ignores this; one that did not
         # ask (an Abort from anyone else) must end its stream, not wait on it.
         error = m.RequestError(
@@ -324,6 +379,8 @@ class Coordinator:
             self.shared.outbox.to_gateway(address, error)
 
 
+HOLDING = ModelState.HOLDING
+
 # the messages the coordinator acts on; any other is logged and dropped
 HANDLED = (
     Register,
@@ -337,4 +394,5 @@ HANDLED = (
     m.Finished,
     m.Abort,
     m.RequestError,
+    RolloutCommand,
 )

@@ -10,8 +10,10 @@
                scored (``max_tokens`` 0, on a prefill worker: no decode blocks), conditional
                disaggregation (a short uncached prompt, or a busy prefill pool, goes to its
                decode worker to prefill itself: the ``ConditionalDisaggPolicy`` decides), a
-               colocated pool, and a choice resuming on another worker after its own died
-               (prompt + tokens so far recomputed there).
+               colocated pool, a model with no live prefill worker (degraded: its decode
+               workers prefill), a prompt whose prefill worker died with no other left (its
+               decode worker recomputes it), and a choice resuming on another worker after its
+               own died (prompt + tokens so far recomputed there).
 
 Either way the worker is ``Placement``'s pick, and the choice's route (``coordinator.routes``)
 says which way it went.
@@ -163,6 +165,7 @@ class Reservations:
             choice=route.choice,
             choices=route.choices,
             share=req.share,
+            trace=self.shared.trace_for(req, route.choice),
         )
         self.shared.send(route.decode, msg)
 
@@ -190,15 +193,18 @@ class LocalPrefill:
             return self.policy
         return dataclasses.replace(self.policy, max_local_prefill_tokens=limit)
 
-    def prefill_on_decode(self, req: m.Generate, now: float) -> LocalReason | None:
+    def prefill_on_decode(
+        self, req: m.Generate, now: float, forced: LocalReason | None = None
+    ) -> LocalReason | None:
         """Conditional disaggregation: why the request went to a decode worker to prefill
-        itself rather than through a transfer; None when it did not (the policy says no, or
-        no decode worker has room now: the usual path queues it)."""
+        itself rather than through a transfer (``forced``: that reason, whatever the policy);
+        None when it did not (the policy says no, or no decode worker has room now: the usual
+        path queues it)."""
         policy = self.policy_for(req.model)
-        if not policy.enabled:
+        if forced is None and not policy.enabled:
             return None
         shared, prompt = self.shared, req.prompt_token_ids
-        reason = policy.reason(
+        reason = forced or policy.reason(
             prompt_tokens=len(prompt),
             # the part of the prompt its decode worker would compute: a conversation's next
             # turn is short even when its history is long
@@ -214,6 +220,22 @@ class LocalPrefill:
             return None
         self._run_local(req, worker.worker_id, now)
         return reason
+
+    def instead_of_transfer(self, route: Route, why: str, now: float) -> None:
+        """No prefill worker can compute ``route``'s prompt (``why``): the decode worker
+        holding its blocks gives them back and prefills it itself, every choice of the request
+        from the start (a token 0 the lost prefill worker already streamed comes again and the
+        gateway drops the repeat). A route for only some choices fails (503)."""
+        shared, req = self.shared, route.request
+        if route.choice != 0 or route.choices != req.n or not route.decode:
+            shared.fail(route.key, 503, f"{why}; no other prefill worker can take it")
+            return
+        decode = route.decode
+        logger.warning("request %s: %s; its decode worker %s prefills it", route.key, why, decode)
+        shared.routes.pop(route.key)
+        abort = m.Abort(request_id=req.request_id, reason="prefilled here", choice=route.choice)
+        shared.send(route.decode, abort)  # the same socket, in order: freed before the job
+        self._run_local(req, route.decode, now)
 
     def resume(self, req: m.Generate, choice: int, now: float) -> None:
         """A choice migrating off a dead worker: one worker recomputes prompt + tokens so far
@@ -287,5 +309,7 @@ class LocalPrefill:
             generated_token_ids=generated or [],
             choices=len(members),
             share=req.share,
+            trace=shared.trace_for(req, choice),
         )
         shared.send(worker_id, job)
+        shared.traced(req, choice, now, now, worker_id, worker_id)

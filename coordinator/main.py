@@ -11,8 +11,10 @@ import zmq
 
 from pdserve import envs
 from pdserve.coordinator.coordinator import Coordinator
+from pdserve.coordinator.holds import DEFAULT_HOLD_S
 from pdserve.coordinator.planner_args import add_planner_args, planner_factory
 from pdserve.coordinator.policies import HOT_SPOT_TOKENS, ROUTING_MODES
+from pdserve.coordinator.rollout_args import add_rollout_args, rollouts_from_args
 from pdserve.protocol.codec import Message
 from pdserve.protocol.roles import Receiver
 from pdserve.runtime import security
@@ -20,6 +22,7 @@ from pdserve.runtime.gate import RoleGate
 from pdserve.runtime.health_http import LoopTicks, add_health_args, start_health
 from pdserve.runtime.loop import PushOutbox, RateLimitedLog, serve, stop_on_signals
 from pdserve.runtime.sockets import bound_address, make_socket
+from pdserve.runtime.tracing import add_otlp_args, tracer_from_args
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +104,12 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     )
     add_routing_args(parser)
     add_planner_args(parser)
+    add_rollout_args(parser.add_argument_group("rollouts (versions of a model behind one name)"))
     parser.add_argument(
         "--address-file", default=None, help="write the bound inbox address here once listening"
     )
     add_health_args(parser)
+    add_otlp_args(parser)
 
 
 def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -141,6 +146,23 @@ def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
         help="while every prefill worker has more prompt tokens than this queued, decode "
         "workers prefill new requests themselves (0: off)",
     )
+    parser.add_argument(
+        "--hold-timeout",
+        type=_seconds,
+        default=DEFAULT_HOLD_S,
+        help="seconds a request waits for a worker while its model has none that can take it "
+        "(a restart) before a 503 (0: refused at once)",
+    )
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds, not {value!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return seconds
 
 
 def _local_tokens(value: str) -> str | int:
@@ -161,6 +183,7 @@ def routing_flags(args: argparse.Namespace) -> list[str]:
         f"--kv-hot-spot-tokens={args.kv_hot_spot_tokens}",
         f"--max-local-prefill-tokens={args.max_local_prefill_tokens}",
         f"--max-prefill-queue-tokens={args.max_prefill_queue_tokens}",
+        f"--hold-timeout={args.hold_timeout}",
     ]
 
 
@@ -171,6 +194,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve coordinator: --kv-hot-spot-tokens must be >= 0 (0: no guard)")
     try:
         planners = planner_factory(args)
+        rollouts, canary_gate = rollouts_from_args(args)
     except ValueError as e:
         raise SystemExit(f"pdserve coordinator: {e}") from e
     auto_local = args.max_local_prefill_tokens == "auto"
@@ -193,7 +217,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
         planner_interval_s=args.planner_interval,
         planner_window_s=args.planner_window,
         auto_local=auto_local,
+        hold_timeout_s=args.hold_timeout,
+        rollouts=rollouts,
+        canary_gate=canary_gate,
     )
+    coordinator.shared.tracer = tracer = tracer_from_args(args, "pdserve-coordinator")
     if args.address_file:
         tmp = f"{args.address_file}.tmp"
         with open(tmp, "w") as f:
@@ -223,6 +251,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             admit=RoleGate(keys, Receiver.COORDINATOR).admit,  # who may send what (roles)
         )
     finally:
+        tracer.close()
         if health is not None:
             health.close()
         outbox.close()

@@ -208,6 +208,7 @@ class LocalReason(Enum):
 
     SHORT_PROMPT = "local_short_prompt"
     PREFILL_BUSY = "local_prefill_busy"
+    NO_PREFILL = "local_no_prefill"  # the model has no live prefill worker (degraded)
 
 
 @dataclass(frozen=True)

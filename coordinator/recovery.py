@@ -1,14 +1,15 @@
 """What the coordinator does when a worker dies or does not answer: work the worker had not
 started moves to another one, started work fails or, while its tokens stream, is handed back to
 the gateway to resume; a reservation or a prefill job past its timeout goes to another worker
-(the silent one is told to drop it), else fails."""
+(the silent one is told to drop it); a prefill job with no other prefill worker left is
+recomputed by the decode worker holding its blocks; else it fails."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-from pdserve.coordinator.dispatch import Reservations
+from pdserve.coordinator.dispatch import LocalPrefill, Reservations
 from pdserve.coordinator.peers import TransferPeers
 from pdserve.coordinator.placement import Placement
 from pdserve.coordinator.routes import Route, RouteState, Shared
@@ -48,8 +49,10 @@ class Recovery:
         reservations: Reservations,
         timeouts: Timeouts,
         peers: TransferPeers,
+        local: LocalPrefill,
     ) -> None:
         self.shared = shared
+        self.local = local
         self.peers = peers
         self.placement = placement
         self.reservations = reservations
@@ -105,7 +108,7 @@ class Recovery:
         avoid = route.tried | {route.prefill} | shared.avoid(now)
         prefill = self.placement.pick_prefill(req.model, req.prompt_token_ids, avoid)
         if prefill is None or route.job is None:
-            shared.fail(key, 503, f"{why}; no other prefill worker can take it")
+            self.local.instead_of_transfer(route, why, now)
             return
         logger.warning("request %s: %s; prefill moves to %s", key, why, prefill.worker_id)
         route.prefill_moves_to(prefill.worker_id, now)

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import secrets
 from dataclasses import dataclass, field
+from enum import Enum
 
 from pdserve.coordinator.counter_checks import counters_problem
 from pdserve.coordinator.kv_index import KVIndex, kv_events_problem
@@ -88,6 +89,16 @@ class Worker:
         return self.load.free_blocks - self.load.growth_blocks
 
 
+class ModelState(Enum):
+    """How a model takes new requests, from the workers serving it now (``WorkerRegistry.state``).
+    Once its pools were whole, losing a part degrades it rather than refusing its requests."""
+
+    READY = "ready"  # a worker can prefill and one can decode (an embedding model: one embeds)
+    NO_PREFILL = "no_prefill"  # once ready; no prefill worker now: decode workers prefill too
+    HOLDING = "holding"  # once ready; no worker can decode now: requests wait (--hold-timeout)
+    ABSENT = "absent"  # never ready (starting), or unknown
+
+
 @dataclass
 class WorkerRegistry:
     """Owns the workers the coordinator knows (by id), the key each registered with, and the
@@ -101,6 +112,11 @@ class WorkerRegistry:
     refusals: RateLimitedLog = field(default_factory=RateLimitedLog)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
     kv: KVIndex = field(default_factory=KVIndex)  # which worker caches which block
+    # seconds a request waits for a model with no worker able to take it (0: refused at once)
+    hold_s: float = 0.0
+    # the models whose pools were whole once, as they were served then: degraded, not gone,
+    # when workers leave (``state``)
+    once_ready: dict[str, m.ServedModel] = field(default_factory=dict)
 
     def admit(self, msg: m.Message, sender: str) -> bool:
         """Whether ``sender`` may say ``msg``: a live worker id speaks only with the key that
@@ -174,6 +190,7 @@ class WorkerRegistry:
                 )
         self.workers[info.worker_id] = Worker(info, now, WorkerLoad.idle(info.num_blocks))
         self.kv.drop(info.worker_id)  # a new process: its cache starts from its own events
+        self.state(info.model)  # remembered once whole
 
     def heartbeat(self, hb: Heartbeat, now: float) -> bool:
         worker = self.workers.get(hb.worker_id)
@@ -222,23 +239,44 @@ class WorkerRegistry:
             return True
         return any(w.can_prefill for w in pool) and any(w.can_decode for w in pool)
 
+    def state(self, model: str) -> ModelState:
+        """How ``model`` takes new requests now (``ModelState``); a model whose pools are whole
+        is remembered, so that losing its prefill pool, or every worker, degrades it."""
+        if self.ready(model):
+            if model not in self.once_ready:
+                self.once_ready[model] = self._served(model)
+            return ModelState.READY
+        if model not in self.once_ready or self.once_ready[model].kind == "embed":
+            return ModelState.ABSENT
+        if any(w.can_decode for w in self.serving(model)):
+            return ModelState.NO_PREFILL
+        return ModelState.HOLDING if self.hold_s > 0 else ModelState.ABSENT
+
+    def _served(self, model: str) -> m.ServedModel:
+        """``model`` as gateways see it, from its first worker."""
+        info = next(w.info for w in self.workers.values() if w.info.model == model)
+        return m.ServedModel(
+            name=model,
+            root=info.model_root,
+            max_model_len=info.max_model_len,
+            ready=True,
+            kind="embed" if info.role == "embed" else "generate",
+        )
+
     def embeds(self, model: str) -> list[Worker]:
         """The embed workers of ``model`` that take new work: an embedding model has no
         other kind."""
         return [w for w in self.serving(model) if w.info.role == "embed"]
 
     def cluster_state(self) -> m.ClusterState:
+        """The models (one taking requests degraded counts as ready: ``state``) and workers."""
         models: dict[str, m.ServedModel] = {}
-        for w in self.workers.values():
-            name = w.info.model
-            if name not in models:
-                models[name] = m.ServedModel(
-                    name=name,
-                    root=w.info.model_root,
-                    max_model_len=w.info.max_model_len,
-                    ready=self.ready(name),
-                    kind="embed" if w.info.role == "embed" else "generate",
-                )
+        for name in {w.info.model for w in self.workers.values()} | set(self.once_ready):
+            state = self.state(name)
+            served = self.once_ready.get(name) or self._served(name)
+            degraded = "" if state in (ModelState.READY, ModelState.ABSENT) else state.value
+            ready = state is not ModelState.ABSENT
+            models[name] = dataclasses.replace(served, ready=ready, degraded=degraded)
         workers = [
             m.WorkerStatus(
                 role=w.info.role,

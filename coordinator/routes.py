@@ -27,6 +27,7 @@ from pdserve.fair_queue import FairQueue
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
 from pdserve.protocol.tenancy import share_of
+from pdserve.runtime.tracing import NO_TRACER, Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Route:
     # one prefill, one transfer (``TransferDone`` splits them into a route each)
     choices: int = 1
     ended: set[int] = field(default_factory=set)  # of those, the ones token 0 ended
+    arrived: float = 0.0  # when it was made (its trace span starts there)
 
     @property
     def key(self) -> ChoiceKey:
@@ -80,7 +82,9 @@ class Route:
     @classmethod
     def queued(cls, req: m.Generate, choice: int, choices: int, need: int, now: float) -> Route:
         """Waiting for ``need`` decode blocks (``RouteTable.queued``)."""
-        return cls(req, choice, RouteState.QUEUED, since=now, need=need, choices=choices)
+        return cls(
+            req, choice, RouteState.QUEUED, since=now, need=need, choices=choices, arrived=now
+        )
 
     @classmethod
     def reserving(
@@ -103,12 +107,21 @@ class Route:
             need=need,
             tried=tried,
             choices=choices,
+            arrived=now,
         )
 
     @classmethod
     def local(cls, req: m.Generate, choice: int, worker_id: str, now: float) -> Route:
         """One worker runs both phases."""
-        return cls(req, choice, RouteState.LOCAL, decode=worker_id, prefill=worker_id, since=now)
+        return cls(
+            req,
+            choice,
+            RouteState.LOCAL,
+            decode=worker_id,
+            prefill=worker_id,
+            since=now,
+            arrived=now,
+        )
 
     # ---- transitions --------------------------------------------------------------------------
     def _leave(self, state: RouteState, to: RouteState) -> None:
@@ -256,6 +269,7 @@ class Shared:
         self.registry = registry
         self.routes = RouteTable()
         self.silent = SilentWorkers()
+        self.tracer: Tracer = NO_TRACER  # its spans (``--otlp-endpoint``)
 
     def avoid(self, now: float) -> set[str]:
         """Workers not to give new work at ``now``: the silent ones."""
@@ -265,6 +279,27 @@ class Shared:
         worker = self.registry.workers.get(worker_id)
         if worker is not None:
             self.outbox.to_worker(worker_id, worker.info.control_address, msg)
+
+    def trace_for(self, req: m.Generate, choice: int) -> str:
+        """The trace context a worker's part of ``choice`` goes under: the coordinator's span
+        of it (``traced``), or, tracing off here, the gateway's as it came."""
+        return self.tracer.child(req.trace, f"{req.request_id}#{choice}")
+
+    def traced(
+        self, req: m.Generate, choice: int, arrived: float, now: float, decode: str, prefill: str
+    ) -> None:
+        """The coordinator's span of ``choice`` (tracing on): from the route made (the
+        ``Generate`` handled, or asked again elsewhere) to its prefill job sent."""
+        if self.tracer.enabled and req.trace:
+            attrs: dict[str, str | int | float | bool] = {
+                "pdserve.request_id": req.request_id,
+                "pdserve.choice": choice,
+                "pdserve.decode_worker": decode,
+                "pdserve.prefill_worker": prefill,
+                "pdserve.local": decode == prefill,
+            }
+            salt = f"{req.request_id}#{choice}"
+            self.tracer.span("coordinator", req.trace, arrived, now, attrs, salt=salt)
 
     def error_to(self, req: m.Generate, status: int, message: str) -> None:
         logger.info("request %s: %d %s", req.request_id, status, message)

@@ -54,6 +54,14 @@ class DecodeRecord:
     num_local_cached_tokens: int = 0  # prompt tokens whose KV this worker held already
     dropped: set[int] = field(default_factory=set)  # choices not to decode (ended, aborted)
     share: Share = DEFAULT  # who it is for: the order it waits in the engine
+    trace: str = ""  # its trace context (``Reserve.trace``, ``PrefillJob.trace``)
+    # its phases (protocol/phases.py): the coordinator's and the prefill worker's, passed on
+    # with its first token; run here, when its prompt came and began computing; when its
+    # first decode step began to count (the KV handed over, or token 0 here)
+    carried: dict[str, float] = field(default_factory=dict)
+    prompt_at: float | None = None
+    computing: float | None = None
+    decode_from: float | None = None
 
     @classmethod
     def of(cls, msg: m.Reserve | m.PrefillJob) -> DecodeRecord:
@@ -66,6 +74,13 @@ class DecodeRecord:
             stream_address=msg.stream_address,
             choices=max(msg.choices, 1),
             share=share_of(msg.share),
+            trace=msg.trace,
+            carried=dict(msg.phases) if isinstance(msg, m.PrefillJob) else {},
+            prompt_at=(
+                time.monotonic()
+                if isinstance(msg, m.PrefillJob) and not msg.generated_token_ids
+                else None
+            ),
         )
 
     @property
@@ -92,4 +107,10 @@ class DecodeRecord:
             stream_address=self.stream_address,
             state=DecodeState.RUNNING,
             share=self.share,
+            reserved_at=self.reserved_at,
+            trace=self.trace,
+            carried=self.carried,
+            prompt_at=self.prompt_at,
+            computing=self.computing,
+            decode_from=self.decode_from,
         )

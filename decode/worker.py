@@ -32,6 +32,7 @@ from pdserve.kvtransfer.base import KVPoll, KVReceiver
 from pdserve.protocol import messages as m
 from pdserve.protocol.blocks import blocks_for
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.phases import Phase
 from pdserve.worker.base import Worker
 from pdserve.worker.wire import Outbox, PromptKey, choice_params, token_chunk, transfer_id
 
@@ -55,6 +56,7 @@ class DecodeWorker(Worker[DecodeRecord]):
         self.kv_failure_policy = KVFailurePolicy(kv_failure_policy)  # else ValueError
         self.receiver = receiver
         self.transfer_timeout_s = transfer_timeout_s
+        self._prompts: set[ChoiceKey] = set()  # run here, not computing yet (their phases)
 
     # ---- messages ---------------------------------------------------------------------------
     def handle(self, msg: m.Message) -> None:
@@ -134,6 +136,7 @@ class DecodeWorker(Worker[DecodeRecord]):
         record.first_logprobs = msg.first_logprobs
         record.num_cached_tokens = msg.num_cached_tokens
         record.dropped.update(msg.ended)
+        record.carried, record.decode_from = dict(msg.phases), time.monotonic()
         lps, n = record.first_logprobs, record.choices
         if len(record.first_tokens) != n or (lps and len(lps) != n):
             self._free(key, DecodeState.FAILED)
@@ -175,6 +178,8 @@ class DecodeWorker(Worker[DecodeRecord]):
             return
         for c, key in keys.items():
             self.records[key] = record.one(c)
+            if record.prompt_at is not None:
+                self._prompts.add(key)
 
     def abort(self, request_id: str, choice: int | None = None) -> None:
         """One choice (or every one) of the request, whatever its state; blocks freed now.
@@ -195,6 +200,7 @@ class DecodeWorker(Worker[DecodeRecord]):
         the engine's reservation or sequence (unless the engine finished it), and the
         receiver's expectation of the KV."""
         record = self.records.pop(key, None)
+        self._prompts.discard(key)
         if record is None:
             return
         held, record.state = record.state, end
@@ -210,8 +216,16 @@ class DecodeWorker(Worker[DecodeRecord]):
         self._admit_received()
         if not self.engine.has_unfinished():
             return bool(self.keys_in(DecodeState.RECEIVING))
+        self.step_started = time.monotonic()
         for out in self.engine.step():
             self._emit(out)
+        for key in list(self._prompts):  # began computing in this step, or token 0 is out
+            record = self.records.get(key)
+            if record is None or record.prompt_at is None:
+                self._prompts.discard(key)
+            elif self.prompt_started(key):
+                record.computing = self.step_started
+                self._prompts.discard(key)
         self.tokens.flush()
         return True
 
@@ -301,8 +315,44 @@ class DecodeWorker(Worker[DecodeRecord]):
         if out.finished:
             self._free(record.key, DecodeState.FINISHED)
             self._finished(record.key)
+            self._trace(record, out)
             if out.finish_reason is m.FinishReason.ABORT:
                 return
         index = out.num_output_tokens - len(out.new_token_ids)
-        chunk = token_chunk(record.key, out, index, out.new_token_ids, out.finish_reason)
+        timed = record.decode_from is not None or record.prompt_at is not None
+        phases = self._phases(record, index) if timed else None
+        chunk = token_chunk(record.key, out, index, out.new_token_ids, out.finish_reason, phases)
         self.tokens.add(record.stream_address, chunk)
+
+    def _phases(self, record: DecodeRecord, index: int) -> dict[str, float] | None:
+        """This worker's phases of a choice, on its first chunk of each: run here, token 0's
+        prefill_queue and prefill_compute (with the coordinator's); then its first decode step
+        (with what the prefill worker reported: kv_transfer)."""
+        now = time.monotonic()
+        if record.prompt_at is not None and index == 0:
+            computing = record.computing or self.step_started
+            queued = max(0.0, computing - record.prompt_at)
+            phases = record.carried | {
+                Phase.PREFILL_QUEUE: queued,
+                Phase.PREFILL_COMPUTE: max(0.0, now - computing),
+            }
+            record.prompt_at, record.decode_from, record.carried = None, now, {}
+            return phases
+        if record.decode_from is not None and index >= 1:
+            phases = dict(record.carried)
+            phases[Phase.FIRST_DECODE_STEP] = max(0.0, now - record.decode_from)
+            record.decode_from = None
+            return phases
+        return None
+
+    def _trace(self, record: DecodeRecord, out: RequestOutput) -> None:
+        """Its span (tracing on): from the reservation (or the job run here) to its end."""
+        if self.tracer.enabled and record.trace:
+            attrs: dict[str, str | int | float | bool] = {
+                "pdserve.request_id": record.request_id,
+                "pdserve.choice": record.choice,
+                "pdserve.worker": self.worker_id,
+                "pdserve.output_tokens": out.num_output_tokens,
+                "pdserve.finish_reason": str(out.finish_reason or ""),
+            }
+            self.tracer.span("decode", record.trace, record.reserved_at, time.monotonic(), attrs)

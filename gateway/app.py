@@ -58,11 +58,12 @@ from pdserve.gateway.errors import (
     openapi_schema,
     request_outcome,
 )
-from pdserve.gateway.headers import add_header_middleware
+from pdserve.gateway.headers import ARRIVED, add_header_middleware
 from pdserve.gateway.jobs import Job, prepare_chat, prepare_completion
 from pdserve.gateway.metrics import GatewayMetrics, Outcome
 from pdserve.gateway.observe.planning import planner_json
 from pdserve.gateway.observe.prometheus import CONTENT_TYPE
+from pdserve.gateway.observe.tracing import start_trace, with_trace
 from pdserve.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from pdserve.gateway.responses import BoundedStreamingResponse, collect, stream_events
 from pdserve.gateway.responses_api.models import ResponsesRequest
@@ -79,7 +80,9 @@ from pdserve.gateway.tenancy.request import (
     reserved_tokens,
 )
 from pdserve.gateway.tenancy.tenants import Tenant
+from pdserve.gateway.versions import Versions, conversation_pin, rollout_metrics
 from pdserve.protocol import messages as m
+from pdserve.runtime.tracing import NO_TRACER, TRACEPARENT, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ Collect = Callable[[JobRun], Awaitable[dict[str, Any]]]  # a started run -> the 
 Events = Callable[[JobRun], AsyncIterator[str]]  # a started run -> its SSE body
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+MODEL_STATE = "pdserve_model"  # request.state: the served name (a version) it was resolved to
 
 
 @dataclass
@@ -107,28 +111,50 @@ class Gateway:
     served: set[str] = dataclasses.field(default_factory=set)
     # embedding models' tokenizers, by name, as their workers tokenize (gateway.embeddings)
     embed_tokenizers: dict[str, EmbedTokenizer] = dataclasses.field(default_factory=dict)
+    tracer: Tracer = NO_TRACER  # the requests' spans (``--otlp-endpoint``: runtime/tracing.py)
 
     @property
     def aliases(self) -> dict[str, str]:
         return dict(self.config.model_aliases)
 
-    def count(self, path: str, error: OpenAIError) -> None:
-        """Count a generation request answered with ``error`` before it ran."""
+    @property
+    def versions(self) -> Versions:
+        return Versions(self.backend.rollouts)
+
+    def listed(self) -> dict[str, str]:
+        """The names ``/v1/models`` lists beside the served ones: the aliases, and each name
+        with versions (as its stable version's card)."""
+        return self.aliases | self.versions.names()
+
+    def count(self, path: str, error: OpenAIError, model: str = "") -> None:
+        """Count a generation request answered with ``error`` before it ran (``model``: the
+        served name it was resolved to, if it got that far)."""
         if path in GENERATE_PATHS:
-            self.metrics.requests.inc(outcome=request_outcome(error).value)
+            self.metrics.answered(model, request_outcome(error), error.status >= 500)
 
     def lookup(
-        self, name: str | None, kind: str = "generate"
+        self,
+        name: str | None,
+        kind: str = "generate",
+        *,
+        request: Request | None = None,
+        body: Any = None,
     ) -> tuple[str, Tokenizer, m.ServedModel]:
-        """The served model ``name`` stands for (an alias, or None for the only one), of
-        ``kind``: a generation on an embedding model, or the other way, is a 400."""
-        model = resolve_model(name, self.aliases, self.tokenizers)
+        """The served model ``name`` stands for (an alias, or None for the only one; a name
+        with versions: the one ``body``'s conversation is pinned to, or its stable version,
+        ``gateway.versions``), of ``kind``: a generation on an embedding model, or the other
+        way, is a 400. The name found is noted on ``request`` (its metrics' ``model``)."""
+        versions = self.versions
+        pin = None if body is None or request is None else _pin(body, request)
+        model = versions.pick(resolve_model(name, self.aliases, self.tokenizers), pin)
         tokenizer = self.tokenizers.get(model)
         models = self.backend.models()
-        if tokenizer is None and model not in self.served:
+        if tokenizer is None and model not in self.served and not versions.declared(model):
             if not models:  # starting, or a restarted coordinator relearning every worker
                 raise OpenAIError(503, "no model has workers yet: the cluster is starting")
             raise model_not_found(model)
+        if request is not None:
+            setattr(request.state, MODEL_STATE, model)
         info = next((s for s in models if s.name == model), None)
         if tokenizer is None or info is None:
             raise OpenAIError(503, f"model `{model}` has no workers yet", param="model")
@@ -162,6 +188,10 @@ class Gateway:
         hold = await self.tenancy.admit(tenant, job.model, job.response_id, *reserved_tokens(job))
         setattr(request.state, RATELIMIT_HEADERS, hold.headers)
         config = self.config
+        arrived = getattr(request.state, ARRIVED, None)  # headers.RequestIdMiddleware's
+        name = f"{request.method} {request.url.path}"
+        trace = start_trace(self.tracer, request.headers.get(TRACEPARENT), arrived, name)
+        job = with_trace(job, trace)
         run = JobRun(
             self.backend,
             tokenizer,
@@ -171,11 +201,14 @@ class Gateway:
             idle_s=config.idle_timeout_s,
             max_backlog=config.max_stream_backlog,
             listener=HoldListener(self.tenancy, hold),
+            arrived=arrived,
+            trace=trace,
         )
         self.admission.runs.add(run)
         try:
             await run.start()
         except BaseException as e:
+            run.end_trace(Outcome.REJECTED)
             await self.tenancy.finish(hold, Outcome.REJECTED, 0, 0, 0)
             if isinstance(e, BackendError):
                 log.warning("request %s: refused: %d %s", job.response_id, e.status, e.message)
@@ -208,6 +241,7 @@ class Gateway:
         text = self.metrics.render(
             backend.worker_stats(), backend.routing_decisions(), backend.plans()
         )
+        text += rollout_metrics(backend.rollouts())
         return Response(text + self.tenancy.metrics_text(), media_type=CONTENT_TYPE)
 
 
@@ -221,6 +255,17 @@ def tenant_of(request: Request) -> Tenant:
     return tenant if isinstance(tenant, Tenant) else OPEN
 
 
+def _pin(body: Any, request: Request) -> Callable[[], bytes]:
+    """The conversation's key, computed only for a name with versions."""
+    return lambda: conversation_pin(body, tenant_of(request).name)
+
+
+def model_of(request: Request) -> str:
+    """The served name ``lookup`` resolved the request to ("" before it did)."""
+    model = getattr(request.state, MODEL_STATE, "")
+    return model if isinstance(model, str) else ""
+
+
 router = APIRouter()
 
 
@@ -229,7 +274,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    model, tokenizer, info = gateway.lookup(body.model)
+    model, tokenizer, info = gateway.lookup(body.model, request=request, body=body)
     check_max_tokens(body, tenant_of(request))
     body = body.model_copy(update={"model": model})  # an alias: the served name from here
     parser = gateway.config.tool_call_parser
@@ -240,7 +285,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    model, tokenizer, info = gateway.lookup(body.model)
+    model, tokenizer, info = gateway.lookup(body.model, request=request, body=body)
     check_max_tokens(body, tenant_of(request))
     body = body.model_copy(update={"model": model})
     job = await asyncio.to_thread(prepare_completion, body, tokenizer, info)
@@ -250,7 +295,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/responses", responses=ERROR_RESPONSES)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    model, tokenizer, info = gateway.lookup(body.model)
+    model, tokenizer, info = gateway.lookup(body.model, request=request, body=body)
     check_output_tokens(body, tenant_of(request))
     body = body.model_copy(update={"model": model})
     parser = gateway.config.tool_call_parser
@@ -300,13 +345,13 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return model_list(gateway.backend.models(), gateway.tokenizers, gateway.aliases)
+    return model_list(gateway.backend.models(), gateway.tokenizers, gateway.listed())
 
 
 @router.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
 async def retrieve(model: str, request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return retrieve_model(model, gateway.backend.models(), gateway.tokenizers, gateway.aliases)
+    return retrieve_model(model, gateway.backend.models(), gateway.tokenizers, gateway.listed())
 
 
 @router.get("/version")
@@ -351,7 +396,9 @@ def create_app(
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
     app.state.admission = gateway.admission
-    install_error_handlers(app, lambda request, error: gateway.count(request.url.path, error))
+    install_error_handlers(
+        app, lambda request, error: gateway.count(request.url.path, error, model_of(request))
+    )
     app.add_middleware(RateLimitHeaders, tenancy=tenancy, paths=GENERATE_PATHS)
     app.add_middleware(
         Admission,

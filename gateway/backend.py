@@ -74,3 +74,7 @@ class Backend(abc.ABC):
     def plans(self) -> list[m.PlanReport]:
         """The planner's latest plan per model, for ``/metrics`` and ``GET /planner``."""
         return []
+
+    def rollouts(self) -> list[m.Rollout]:
+        """Each model name's versions and their weights (``gateway.versions``)."""
+        return []

@@ -2,8 +2,10 @@
 
 ``X-Request-Id`` is the client's when it sent a sane one (1 to 128 visible ASCII characters),
 else a fresh one; every response carries it, the admission's refusals included, and the app
-finds it in ``request.state.request_id`` for its logs. It is not the response's ``id``: that
-stays the gateway's own, unique across the cluster whatever clients send.
+finds it in ``request.state.request_id`` for its logs (and when the request came, before any
+other middleware, in ``request.state.arrived``: its gateway_queue phase starts there). It is
+not the response's ``id``: that stays the gateway's own, unique across the cluster whatever
+clients send.
 
 CORS is off unless origins are given (vLLM allows every origin by default; here a browser page
 from elsewhere cannot read a local server's answers unless asked). A preflight is answered
@@ -12,6 +14,7 @@ before the API key check, as vLLM does: it carries no key.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from fastapi import FastAPI
@@ -21,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.gateway.config import GatewayConfig
 
 REQUEST_ID = b"x-request-id"
+ARRIVED = "arrived"  # ``request.state.arrived``: time.monotonic() when the request came
 MAX_REQUEST_ID_CHARS = 128
 
 
@@ -41,7 +45,7 @@ class RequestIdMiddleware:
             return
         given = next((v for k, v in scope["headers"] if k == REQUEST_ID), None)
         rid = request_id(given)
-        scope.setdefault("state", {})["request_id"] = rid
+        scope.setdefault("state", {}).update(request_id=rid, arrived=time.monotonic())
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

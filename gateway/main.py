@@ -30,6 +30,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.tenancy.args import add_tenancy_args, tenancy_from_args
 from pdserve.gateway.tenancy.core import Tenancy
 from pdserve.gateway.zmq_backend import ZmqBackend
+from pdserve.runtime.tracing import NO_TRACER, Tracer, add_otlp_args, tracer_from_args
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,14 @@ KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this long
 
 
 def gateway_app(
-    backend: ZmqBackend, config: GatewayConfig | None = None, tenancy: Tenancy | None = None
+    backend: ZmqBackend,
+    config: GatewayConfig | None = None,
+    tenancy: Tenancy | None = None,
+    tracer: Tracer = NO_TRACER,
 ) -> FastAPI:
     """The HTTP app over ``backend``, which starts and stops with the server; SIGHUP reloads
-    the tenants file, and the usage record is written out at the end."""
+    the tenants file, and the usage record is written out at the end (and ``tracer``'s spans
+    sent)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -57,14 +62,17 @@ def gateway_app(
             if tenancy is not None:
                 loop.remove_signal_handler(signal.SIGHUP)
                 await asyncio.to_thread(tenancy.close)
+            await asyncio.to_thread(tracer.close)
 
     template = config.chat_template if config is not None else None
     tokenizers = LazyTokenizers(backend.model_roots, tokenizer_loader(template))
     metrics = GatewayMetrics()
     backend.samples = metrics.samples.drain  # each hello takes the planner's samples
-    return create_app(
+    app = create_app(
         backend, tokenizers, metrics=metrics, lifespan=lifespan, config=config, tenancy=tenancy
     )
+    app.state.gateway.tracer = tracer
+    return app
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +100,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_config_args(parser)
     add_tenancy_args(parser)
+    add_otlp_args(parser)
 
 
 def http_socket(host: str, port: int) -> socket.socket:
@@ -137,7 +146,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     backend = ZmqBackend(args.coordinator, args.stream_bind, max_migrations=args.max_migrations)
-    app = gateway_app(backend, config, tenancy)
+    app = gateway_app(backend, config, tenancy, tracer_from_args(args, "pdserve-gateway"))
     uvicorn_config = uvicorn.Config(
         app,
         log_level=args.log_level,

@@ -1,13 +1,15 @@
 """The gateway's metrics (``GatewayMetrics``, on ``/metrics``): its own requests' latencies,
 tokens and outcomes, each request's share recorded by a ``RunMetrics``; and the cluster's
 figures as the coordinator last reported them (``ClusterMetrics``). The Prometheus registry
-they live in is ``gateway.prometheus``."""
+they live in is ``gateway.prometheus``. Every latency and outcome carries the request's
+``model``: the served name, a version's own (``chat@v2``, ``gateway.versions``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 
+from pdserve.gateway.observe.phases import PhaseMetrics
 from pdserve.gateway.observe.planning import LatencySampler, PlannerMetrics
 from pdserve.gateway.observe.prometheus import Counter, Gauge, Histogram, Registry
 from pdserve.gateway.observe.spec_metrics import SpecMetrics
@@ -41,6 +43,7 @@ class GatewayMetrics:
                 "pdserve_time_to_first_token_seconds",
                 "Time from request arrival to its first token.",
                 LATENCY_BUCKETS,
+                ["model"],
             )
         )
         self.itl = r.add(
@@ -48,6 +51,7 @@ class GatewayMetrics:
                 "pdserve_inter_token_latency_seconds",
                 "Time between consecutive tokens of one choice.",
                 TOKEN_LATENCY_BUCKETS,
+                ["model"],
             )
         )
         self.e2e = r.add(
@@ -55,6 +59,7 @@ class GatewayMetrics:
                 "pdserve_e2e_request_latency_seconds",
                 "Time from request arrival to its last token.",
                 LATENCY_BUCKETS,
+                ["model"],
             )
         )
         self.requests = r.add(
@@ -62,7 +67,7 @@ class GatewayMetrics:
                 "pdserve_requests_total",
                 "Requests by outcome: success, aborted, error, timeout, rejected (429/503), "
                 "invalid (4xx).",
-                ["outcome"],
+                ["model", "outcome"],
             )
         )
         self.prompt_tokens = r.add(
@@ -77,6 +82,15 @@ class GatewayMetrics:
         self.cluster = ClusterMetrics(r)
         self.planner = PlannerMetrics(r)
         self.samples = LatencySampler()  # what the next hello tells the planner
+        self.phases = PhaseMetrics(r)  # where each request's time went
+
+    def answered(self, model: str, outcome: Outcome, failed: bool) -> None:
+        """A generation request ended, or was refused before it ran (``model`` "": before its
+        model was known); ``failed``: by the server's fault (an error, a timeout, a 5xx), what
+        the canary gate counts."""
+        self.requests.inc(model=model, outcome=outcome.value)
+        if model:
+            self.samples.request_ended(model, failed)
 
     def render(
         self,
@@ -261,7 +275,7 @@ class RunMetrics:
         now = self._clock()
         if self._first_token_at is None:
             self._first_token_at = now
-            self._metrics.ttft.observe(now - self._arrival)
+            self._metrics.ttft.observe(now - self._arrival, model=self._model)
             if self._model:
                 self._metrics.samples.first_token(self._model, now - self._arrival)
         self._choice_first.setdefault(choice, now)
@@ -273,15 +287,16 @@ class RunMetrics:
             [0.0] * (num_tokens - 1) if last is None else [(now - last) / num_tokens] * num_tokens
         )
         for gap in gaps:
-            self._metrics.itl.observe(gap)
+            self._metrics.itl.observe(gap, model=self._model)
         self._last_token_at[choice] = now
         self._metrics.generation_tokens.inc(num_tokens)
 
     def ended(self, outcome: Outcome) -> None:
         if self._metrics is not None:
-            self._metrics.requests.inc(outcome=outcome.value)
+            failed = outcome in (Outcome.ERROR, Outcome.TIMEOUT)
+            self._metrics.answered(self._model, outcome, failed)
             if outcome is Outcome.SUCCESS:
-                self._metrics.e2e.observe(self._clock() - self._arrival)
+                self._metrics.e2e.observe(self._clock() - self._arrival, model=self._model)
                 self._sample_choices()
 
     def _sample_choices(self) -> None:

@@ -34,8 +34,11 @@ from pdserve.gateway.errors import OpenAIError, request_timeout, slow_reader, st
 from pdserve.gateway.jobs import Job
 from pdserve.gateway.logprobs import TokenTexts
 from pdserve.gateway.metrics import GatewayMetrics, Outcome, RunMetrics
+from pdserve.gateway.observe.phases import RequestPhases
+from pdserve.gateway.observe.tracing import RequestTrace
 from pdserve.gateway.token_streams import END, PromptStreams
 from pdserve.protocol.messages import TokenChunk
+from pdserve.protocol.phases import Phase
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +75,13 @@ class JobRun:
         idle_s: float | None = None,
         max_backlog: int | None = None,
         listener: RunListener | None = None,
+        arrived: float | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         """``timeout_s`` bounds the whole request, from now: submission and every token;
         ``idle_s`` the time between two events from the cluster; ``max_backlog`` the events
-        waiting for the consumer."""
+        waiting for the consumer. ``arrived``: when its HTTP request came (``clock``; its
+        gateway_queue phase starts there, default now); ``trace``: its span, ended with it."""
         self.job = job
         self.tokenizer = tokenizer
         self._listener = listener
@@ -83,6 +89,9 @@ class JobRun:
         self._clock = clock
         self._arrival = clock()
         self._metrics = RunMetrics(metrics, clock, self._arrival, job.requests[0].model)
+        self._http_arrival = self._arrival if arrived is None else arrived
+        self._phases = RequestPhases(metrics.phases if metrics else None, job.requests[0].model)
+        self._trace = trace
         texts = TokenTexts(tokenizer) if job.logprobs else None
         self.choices = [
             ChoiceState(
@@ -136,6 +145,8 @@ class JobRun:
         try:
             for i, request in enumerate(self.job.requests):
                 self._open.add(i)  # before submit: a cancelled submit may still have landed
+                if i == 0:
+                    self._phases.measured(Phase.GATEWAY_QUEUE, self._clock() - self._http_arrival)
                 self._submitted.append(await self._backend.submit(request))
         except BaseException:
             await self._abort_open()
@@ -226,9 +237,22 @@ class JobRun:
             return
         self._outcome = outcome
         self._metrics.ended(outcome)
+        if outcome is Outcome.SUCCESS:
+            self._phases.observe()
+        self.end_trace(outcome)
         if self._listener is not None:
             with anyio.CancelScope(shield=True):
                 await self._listener.ended(outcome, self.usage)
+
+    def end_trace(self, outcome: Outcome) -> None:
+        """The gateway's span of the request ends (tracing on; once)."""
+        if self._trace is not None:
+            attributes = {
+                "pdserve.request_id": self.job.requests[0].request_id,
+                "pdserve.model": self.job.model,
+                "pdserve.outcome": outcome.value,
+            }
+            self._trace.end(self._clock(), attributes)
 
     def _take(
         self, prompt: int, item: TokenChunk | BaseException | None, ready: dict[int, ChoiceUpdate]
@@ -247,6 +271,8 @@ class JobRun:
             raise BackendError(f"choice {item.choice} out of range for n={n}")
         if item.num_cached_tokens > self._cached[prompt]:
             self._cached[prompt] = item.num_cached_tokens
+        if item.phases and prompt == 0:
+            self._phases.reported(item)
         index = prompt * n + item.choice
         update = self.choices[index].add(item)
         if update is not None:

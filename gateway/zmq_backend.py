@@ -208,6 +208,9 @@ class ZmqBackend(Backend):
     def plans(self) -> list[m.PlanReport]:
         return [] if self._state is None else list(self._state.plans)
 
+    def rollouts(self) -> list[m.Rollout]:
+        return [] if self._state is None else list(self._state.rollouts)
+
     # ---- internals ---------------------------------------------------------------------------
 
     async def _events(self, request: m.Generate, pending: Pending) -> AsyncIterator[m.TokenChunk]:

@@ -19,6 +19,10 @@ class Child:
     cmd: list[str]
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    # a canary version's worker (launch.versions): restarted for as long as serve runs, each
+    # time after a longer pause (up to EXPENDABLE_PAUSE_S), never fatal to serve
+    expendable: bool = False
+    paused_until: float = 0.0
 
     def start(self) -> None:
         # own session: a terminal's Ctrl-C reaches `serve` alone, which stops roles in order;
@@ -54,14 +58,22 @@ class Child:
             proc.wait()
 
 
+EXPENDABLE_PAUSE_S = 30.0
+
+
 def restart(child: Child, max_restarts: int) -> None:
     code = child.proc.returncode if child.proc else None
-    if child.restarts >= max_restarts:
+    if child.expendable:
+        now = time.monotonic()
+        if now < child.paused_until:
+            return
+        child.paused_until = now + min(EXPENDABLE_PAUSE_S, 2.0**child.restarts)
+    elif child.restarts >= max_restarts:
         raise RuntimeError(f"{child.role} exited ({code}) {child.restarts + 1} times; giving up")
     child.restarts += 1
+    limit = "a canary version's: no limit" if child.expendable else max_restarts
     print(
-        f"pdserve serve: {child.role} exited ({code}); restarting it "
-        f"({child.restarts}/{max_restarts})",
+        f"pdserve serve: {child.role} exited ({code}); restarting it ({child.restarts}/{limit})",
         file=sys.stderr,
         flush=True,
     )

@@ -101,6 +101,13 @@ COMMANDS: dict[str, Register] = {
         "add_keys_args",
         "run_keys",
     ),
+    "rollout": _role(
+        "rollout",
+        "which version of a model serves whom, on a running cluster (an admin key)",
+        "pdserve.launch.rollout",
+        "add_rollout_args",
+        "run_rollout",
+    ),
     "usage": _role(
         "usage",
         "each tenant's token and request totals from a usage record",

@@ -32,8 +32,9 @@ def add_keygen_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="NAME:ROLE[+ROLE...]",
         help=f"one identity (and directory OUT/NAME) per node, with the roles it runs as "
-        f"({', '.join(ROLES)}; '{ALL}': every one): its key may send only what those roles "
-        "send, and a worker id is bound to the key that registered it",
+        f"({', '.join(ROLES)}; '{ALL}': every one but admin, the operator's for `pdserve "
+        "rollout`): its key may send only what those roles send, and a worker id is bound to "
+        "the key that registered it",
     )
 
 

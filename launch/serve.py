@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pdserve.coordinator.main import add_routing_args, routing_flags
 from pdserve.coordinator.planner_args import add_planner_args, planner_flags
+from pdserve.coordinator.rollout_args import add_rollout_args, rollout_flags, rollouts_from_args
 from pdserve.kvtransfer import backends as transfer_backends
 from pdserve.launch.autoscale import (
     Autoscaler,
@@ -39,6 +40,7 @@ from pdserve.launch.children import Child, restart, wait_for_file
 from pdserve.launch.plan_source import metrics_source, planner_source
 from pdserve.launch.serve_api import add_serve_api_args, gateway_api_flags, served_name
 from pdserve.launch.serve_keys import identities, launch_keys, role_of, worker_id, worker_keys
+from pdserve.launch.versions import mark_expendable, rollout_hint, take_versions
 from pdserve.launch.worker_commands import (
     embed_commands,
     pdserve_command,
@@ -46,6 +48,7 @@ from pdserve.launch.worker_commands import (
     worker_command,
     worker_commands,
 )
+from pdserve.runtime.tracing import add_otlp_args, otlp_flags
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +124,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     add_routing_args(g)
     add_planner_args(g)
+    add_rollout_args(g, models=False)  # --model NAME@VERSION=DIR: launch/versions.py
     g.add_argument(
         "--max-migrations",
         type=int,
@@ -132,6 +136,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no CURVE keys on internal sockets (by default each launch makes its own)",
     )
+    add_otlp_args(g)  # passed on to every role
     g.add_argument(
         "--max-restarts",
         type=int,
@@ -152,7 +157,10 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the gateway runs: nothing to reload
 
     try:  # pulled here, once, so the workers start from the cache
-        models = [os.path.abspath(resolve_model(m, args.dtype)) for m in args.model or [None]]
+        versions = take_versions(args, lambda m: resolve_model(m, args.dtype))
+        rollouts_from_args(args)  # checked here: the coordinator would fail
+        default = [] if versions else [None]  # versions alone: no default model
+        models = [os.path.abspath(resolve_model(m, args.dtype)) for m in args.model or default]
         model = split_models(args, models)
     except (OSError, RuntimeError, ValueError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
@@ -173,6 +181,10 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: cluster.reload_tenants())
     try:
         cluster.start(model, api_flags)
+        mark_expendable(cluster.workers, args)
+        if versions:
+            keys_dir = None if args.insecure else run_dir / "keys"
+            print(f"pdserve serve: rollouts: {rollout_hint(cluster.address, keys_dir)}", flush=True)
         scaler = cluster.autoscaler(served_name(args) or Path(model).name)
         _supervise(cluster, args, model, stopping, scaler)
         return 0
@@ -208,7 +220,8 @@ class Cluster:
         cmd = [*self.pdserve, "coordinator", f"--bind={bind}"]
         if address_file is not None:
             cmd.append(f"--address-file={address_file}")
-        flags = [*routing_flags(self.args), *planner_flags(self.args)]
+        flags = [*routing_flags(self.args), *planner_flags(self.args), *otlp_flags(self.args)]
+        flags += rollout_flags(self.args, getattr(self.args, "versions", []))
         return [*cmd, *flags, *self.keys("coordinator")]
 
     def _gateway(self, address: str, api_flags: list[str]) -> list[str]:
@@ -221,6 +234,7 @@ class Cluster:
             f"--port={args.port}",
             f"--drain-timeout={args.drain_timeout}",
             f"--max-migrations={args.max_migrations}",
+            *otlp_flags(args),
             *api_flags,
             *self.keys("gateway"),
         ]
@@ -321,7 +335,8 @@ def _supervise(
         if not ready:
             ready = _healthy(url)
             if ready:
-                served = ", ".join(m for m in [model, *args.embedding_models] if m)
+                versions = getattr(args, "versions", [])
+                served = ", ".join(m for m in [model, *versions, *args.embedding_models] if m)
                 print(f"pdserve is serving {served} ({args.mode}) at {url}/v1", flush=True)
             elif time.monotonic() > ready_by:
                 raise RuntimeError(f"not healthy within {args.ready_timeout:.0f}s")

@@ -31,9 +31,19 @@ def identities(args: argparse.Namespace) -> dict[str, frozenset[str]]:
     """Each process's identity and the roles its key holds (what it may send): a worker's
     role's (a colocated worker's both), an autoscaled slot's both worker roles (a slot turns
     between prefill and decode)."""
-    from pdserve.protocol.roles import COORDINATOR, GATEWAY, PREFILL, WORKERS, command_roles
+    from pdserve.launch.versions import ADMIN_KEY
+    from pdserve.protocol.roles import (
+        ADMIN,
+        COORDINATOR,
+        GATEWAY,
+        PREFILL,
+        WORKERS,
+        command_roles,
+    )
 
     ids = {"coordinator": frozenset({COORDINATOR}), "gateway": frozenset({GATEWAY})}
+    if getattr(args, "versions", None):  # `pdserve rollout`'s (launch/versions.py)
+        ids[ADMIN_KEY] = frozenset({ADMIN})
     for cmd in embed_commands(args, ""):  # an embedding model's worker only prefills
         ids[worker_id(cmd)] = frozenset({PREFILL})
     if args.autoscale:

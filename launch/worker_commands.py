@@ -14,6 +14,7 @@ from pathlib import Path
 from pdserve.engine.core_board import SLOTS as BOARD_SLOTS
 from pdserve.engine.kv_memory import ROLE_SHARES
 from pdserve.launch.serve_api import served_name
+from pdserve.runtime.tracing import otlp_flags
 
 FORWARDED_ENGINE_FLAGS = (
     "dtype",
@@ -53,7 +54,12 @@ def pdserve_command() -> list[str]:
 
 def worker_commands(args: argparse.Namespace, coordinator: str, model: str) -> list[list[str]]:
     """One ``pdserve prefill|decode ...`` command line per worker (the first ones with
-    ``--autoscale``), worker ``i`` being ``<role>-<i>``."""
+    ``--autoscale``), worker ``i`` being ``<role>-<i>``; with versions of a model, each
+    version's (``launch.versions``)."""
+    if getattr(args, "version_specs", None):
+        from pdserve.launch.versions import version_commands
+
+        return version_commands(args, coordinator, worker_command, total_ranks(args))
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     if args.mode == "colocated":
         roles = ["decode"] * len(roles)
@@ -81,6 +87,7 @@ def worker_command(
     ]
     if served_name(args):
         common.append(f"--served-model-name={served_name(args)}")
+    common += otlp_flags(args)
     for flag in FORWARDED_ENGINE_FLAGS:
         value = getattr(args, flag)
         if value is not None:
@@ -174,6 +181,11 @@ def split_models(args: argparse.Namespace, models: list[str]) -> str:
 
     embedding = [m for m in models if is_embedding_model(m)]
     generative = [m for m in models if m not in embedding]
+    if generative and getattr(args, "version_specs", None):
+        raise ValueError(
+            f"--model names a generative model ({generative[0]}) beside versions (NAME@VERSION="
+            "DIR): serve the model as a version too, or start another serve for it"
+        )
     if len(generative) > 1:
         raise ValueError(
             f"--model names {len(generative)} generative models ({', '.join(generative)}): "
@@ -183,7 +195,7 @@ def split_models(args: argparse.Namespace, models: list[str]) -> str:
         raise ValueError("--autoscale sizes a generative model's pools: name one with --model")
     args.model = generative[0] if generative else ""
     args.embedding_models = embedding
-    if not generative:
+    if not generative and not getattr(args, "version_specs", None):
         args.prefill = args.decode = 0
     return generative[0] if generative else ""
 

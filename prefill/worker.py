@@ -38,6 +38,7 @@ from pdserve.kvtransfer.base import KVPoll, KVSender
 from pdserve.prefill.offers import KVOffers, Offered
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.phases import Phase
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.protocol.tenancy import share_of
 from pdserve.worker.base import Worker
@@ -73,6 +74,9 @@ class PrefillRecord:
     firsts: dict[int, RequestOutput] = field(default_factory=dict)  # token 0s, by choice
     done: m.TransferDone | None = None  # what the coordinator is told when the push ends
     transfer_started: float = 0.0  # time.monotonic() when the push began
+    # its phases (protocol/phases.py): when it came, when its prompt began computing
+    received: float = field(default_factory=time.monotonic)
+    computing: float | None = None
     reported: bool = False  # ``done`` has gone out (from either thread)
     offered: Offered = field(default_factory=Offered)  # its KV offered while computing
     # the engine ids of its choices, from the job's first choice on
@@ -180,8 +184,13 @@ class PrefillWorker(Worker[PrefillRecord]):
         """One engine step (prompt chunks), then check transfers in flight."""
         busy = bool(self.keys_in(PrefillState.SENDING))
         if self.engine.has_unfinished():
+            self.step_started = time.monotonic()
             for out in self.engine.step():
                 self._on_output(out)
+            for key in self.keys_in(PrefillState.COMPUTING):  # began computing in this step
+                r = self.records[key]
+                if r.computing is None and self.prompt_started(r.held_id):
+                    r.computing = self.step_started
             self.tokens.flush()
             for key in self.keys_in(PrefillState.COMPUTING) if self.offers.stream else []:
                 r = self.records[key]  # KV of the chunks done so far goes now (offers.py)
@@ -211,6 +220,7 @@ class PrefillWorker(Worker[PrefillRecord]):
         job, choices = record.job, sorted(record.firsts)
         outs = [record.firsts[c] for c in choices]
         ended = []
+        phases = job.phases | self._prompt_phases(record)  # the coordinator's, then its own
         for c, o in zip(choices, outs, strict=True):
             # a choice ends at token 0 if it stopped (or its constraint failed), or if it only
             # wanted one token
@@ -218,14 +228,39 @@ class PrefillWorker(Worker[PrefillRecord]):
             ends = stopped or job.sampling.max_tokens <= 1  # 0: the prompt scored, no token
             reason = o.finish_reason if ends else None
             key = ChoiceKey(job.request_id, c)
-            self.tokens.add(job.stream_address, token_chunk(key, o, 0, o.new_token_ids[:1], reason))
+            chunk = token_chunk(key, o, 0, o.new_token_ids[:1], reason, phases)
+            self.tokens.add(job.stream_address, chunk)
             if ends:
                 ended.append(c)
                 self._finished(key)
         if len(ended) == len(outs):
             self._free(record.key, PrefillState.DONE)
+            self._trace(record, time.monotonic())
             return
         self._push(record, outs, ended)
+
+    def _prompt_phases(self, record: PrefillRecord) -> dict[str, float]:
+        """Its prefill_queue and prefill_compute, now that token 0 is out (a prompt computed
+        in one step began with it)."""
+        now = time.monotonic()
+        computing = record.computing = record.computing or self.step_started
+        return {
+            Phase.PREFILL_QUEUE: max(0.0, computing - record.received),
+            Phase.PREFILL_COMPUTE: max(0.0, now - computing),
+        }
+
+    def _trace(self, record: PrefillRecord, end: float, **attributes: str | int | float) -> None:
+        """Its span (tracing on): from the job's arrival to the end of its push."""
+        job = record.job
+        if self.tracer.enabled and job.trace:
+            attrs: dict[str, str | int | float | bool] = {
+                "pdserve.request_id": job.request_id,
+                "pdserve.choice": job.choice,
+                "pdserve.worker": self.worker_id,
+                "pdserve.prompt_tokens": len(job.prompt_token_ids),
+                **attributes,
+            }
+            self.tracer.span("prefill", job.trace, record.received, end, attrs)
 
     def _push(self, record: PrefillRecord, outs: list[RequestOutput], ended: list[int]) -> None:
         """Start moving the held KV (what is left of it) to the decode worker's blocks:
@@ -266,13 +301,17 @@ class PrefillWorker(Worker[PrefillRecord]):
             if record is None or record.done is None or record.reported:
                 return
             record.reported = True
-            self.transfers.ended(time.monotonic() - record.transfer_started)
+            now = time.monotonic()
+            seconds = now - record.transfer_started
+            self.transfers.ended(seconds)
             if state is not KVPoll.DONE:
                 self.kv_failures += 1
             done = record.done
         reason = self.sender.failure_reason(transfer)
         error = None if state is KVPoll.DONE else f"KV transfer failed: {reason}"
-        self.outbox.to_coordinator(dataclasses.replace(done, error=error))
+        phases: dict[str, float] = {Phase.KV_TRANSFER: max(0.0, seconds)}
+        self.outbox.to_coordinator(dataclasses.replace(done, error=error, phases=phases))
+        self._trace(record, now, **{"pdserve.kv_transfer_s": seconds})
 
     def _poll_transfers(self) -> None:
         for key in self.keys_in(PrefillState.SENDING):

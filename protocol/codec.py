@@ -25,14 +25,18 @@ import msgpack
 
 from pdserve.protocol.checks import Buffer, Frames, ProtocolError, Ref, check_fields, field_checkers
 
-PROTOCOL_VERSION = 13  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReason; 6: Share,
+PROTOCOL_VERSION = 14  # 5: WorkerLoad in Heartbeat and WorkerStatus; FinishReason; 6: Share,
 # KVHeader.part and .last, KVAck.part (a transfer in parts); 7: GatewayHello.samples,
 # ClusterState.plans (the planner); 8: KVLayout.weights; 9: WorkerCounters.steps;
 # 10: WorkerLoad.growth_blocks, .expected_output_tokens, WorkerCounters.preemptions,
 # .recomputed_tokens (KV by need); 11: Register.tensor_parallel_size (a worker is a
 # tensor-parallel group; its size also reaches PlanReport.load as prefill_tp, decode_tp);
 # 13: SamplingParams.prompt_logprobs, TokenChunk.prompt_logprobs, ServedModel.kind, the
-# "embed" role, Embed and EmbedResult (protocol.embeddings), WorkerCounters.kv_transfers_failed
+# "embed" role, Embed and EmbedResult (protocol.embeddings), WorkerCounters.kv_transfers_failed;
+# 14: ServedModel.degraded; ClusterState.rollouts, RolloutCommand and RolloutAnswer
+# (protocol.rollouts), the "admin" role, LatencySamples.requests and .errors; Generate.trace,
+# Reserve.trace, PrefillJob.trace (W3C trace context), TokenChunk.phases, TransferDone.phases,
+# PrefillJob.phases (protocol.phases: where a request's time went)
 OOB_EXT = 1  # msgpack ext code of an out-of-band frame reference
 OOB_MIN_BYTES = 4096  # bytes values at least this large go out of band
 _RESERVED = ("type", "v")

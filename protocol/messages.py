@@ -35,6 +35,7 @@ from pdserve.protocol.codec import PROTOCOL_VERSION, Message, decode, encode, me
 from pdserve.protocol.control import Role, WorkerCounters, WorkerLoad
 from pdserve.protocol.embeddings import Embed, EmbedResult
 from pdserve.protocol.planning import LatencySamples, PlanReport
+from pdserve.protocol.rollouts import Rollout
 from pdserve.protocol.sampling import SamplingParams, StructuredSpec
 from pdserve.protocol.tenancy import Share, Tier
 
@@ -58,6 +59,7 @@ __all__ = [  # its own types, and the codec and sampling names its users read th
     "RequestError",
     "Reserve",
     "Reserved",
+    "Rollout",
     "SamplingParams",
     "ServedModel",
     "Share",
@@ -106,6 +108,10 @@ class ServedModel:
     max_model_len: int
     ready: bool  # at least one worker can prefill and one can decode it (embed: one embeds)
     kind: Literal["generate", "embed"] = "generate"  # embed: served by /v1/embeddings only
+    # ready, but with a part of it gone (``coordinator.registry.ModelState``): "no_prefill"
+    # (decode workers prefill new requests themselves), "holding" (no worker can decode it
+    # now: a request waits up to the coordinator's --hold-timeout for one); "": whole
+    degraded: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +135,8 @@ class ClusterState(Message):
     coordinator_id: str = ""  # new at each coordinator start: a gateway sees a restart
     routing: dict[str, int] = field(default_factory=dict)  # decisions so far, by reason
     plans: list[PlanReport] = field(default_factory=list)  # the planner's, one per model
+    # each name's versions and their shares of its requests (``protocol.rollouts``)
+    rollouts: list[Rollout] = field(default_factory=list)
 
 
 # ---- request lifecycle -----------------------------------------------------------------------
@@ -149,6 +157,7 @@ class Generate(Message):
     # who it is for (tenant, tier, weight, the request's priority): the order it waits in,
     # here and on the workers; None: ``protocol.tenancy.DEFAULT``
     share: Share | None = None
+    trace: str = ""  # W3C traceparent of the gateway's span (runtime/tracing.py); "": none
 
 
 @message("reserve")
@@ -166,6 +175,7 @@ class Reserve(Message):
     # once, then forked here (engine/fork.py); blocks for each one's tail come with it
     choices: int = 1
     share: Share | None = None  # ``Generate.share``: the order its choices wait in here
+    trace: str = ""  # traceparent of the coordinator's span of it ("": untraced)
 
 
 @message("reserved")
@@ -204,6 +214,9 @@ class PrefillJob(Message):
     skip_blocks: int = 0  # ``Reserved.cached_blocks``: leading blocks not to move
     choices: int = 1  # as ``Reserve.choices``: one prompt run for them all, token 0 each
     share: Share | None = None  # ``Generate.share``: the order it waits in here
+    trace: str = ""  # as ``Reserve.trace``
+    # the coordinator's phases of it (coordinator_wait), passed on with token 0
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @message("transfer_done")
@@ -220,6 +233,9 @@ class TransferDone(Message):
     choice: int = 0
     error: str | None = None
     ended: list[int] = field(default_factory=list)  # choices token 0 ended (not to decode)
+    # the prefill worker's phases of it, seconds by ``protocol.phases.Phase`` (kv_transfer):
+    # the decode worker passes them on with its first token
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class FinishReason(StrEnum):
@@ -247,6 +263,9 @@ class TokenChunk:
     num_cached_tokens: int
     # with token 0 (``SamplingParams.prompt_logprobs``): prompt tokens 1.. scored, in order
     prompt_logprobs: list[TokenLogprob] | None = None
+    # on a choice's first chunk from each worker: where its time went there, seconds by
+    # ``protocol.phases.Phase`` (durations, never timestamps: clocks differ between machines)
+    phases: dict[str, float] | None = None
 
 
 @message("token_batch")

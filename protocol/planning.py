@@ -25,6 +25,10 @@ class LatencySamples:
     ttft_s: list[float] = field(default_factory=list)  # time to first token, each request
     tpot_s: list[float] = field(default_factory=list)  # time per output token after the first
     output_tokens: list[int] = field(default_factory=list)  # tokens of each finished choice
+    # requests that ended (whatever the outcome, refusals before they ran too) and of those the
+    # ones that failed (an error, a timeout, a 5xx): the canary gate's error rates
+    requests: int = 0
+    errors: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,4 +56,6 @@ def samples_problem(s: LatencySamples) -> str | None:
             return f"a {name} sample outside [0, {MAX_SECONDS:.0f}] s"
     if any(not 0 <= n <= MAX_OUTPUT_TOKENS for n in s.output_tokens):
         return f"an output_tokens sample outside [0, {MAX_OUTPUT_TOKENS}]"
+    if not 0 <= s.errors <= s.requests <= MAX_OUTPUT_TOKENS:
+        return f"{s.errors} errors of {s.requests} requests"
     return None

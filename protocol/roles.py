@@ -9,14 +9,19 @@ and logged. Found by reading who sends what (``protocol.messages``' picture)::
                   request_error
                   reserved                                      decode
                   transfer_done                                 prefill
+                  rollout_command (protocol.rollouts)           admin
     worker        reserve, prefill_job, transfer_done, abort,   coordinator
                   kv_peers, embed
     gateway       token_batch                                   prefill, decode
                   embed_result                                  prefill (an embed worker)
                   request_error                                 coordinator, prefill, decode
                   accepted, cluster_state                       coordinator
+    admin         rollout_answer (`pdserve rollout`'s socket)   coordinator
     kv            kv_header (zmq); gpu_hello, gpu_begin,        prefill
                   gpu_done (nccl's control channel)
+
+Only an ``admin`` key changes which version of a model serves whom: ``admin`` is no process's
+role but the operator's (``pdserve rollout``), and ``all`` does not include it.
 
 A ``Register`` must also be of a role its key holds: ``both`` (a colocated worker, which
 prefills and decodes) needs both worker roles; ``embed`` (an embedding model's worker, which
@@ -31,8 +36,10 @@ from enum import StrEnum
 from pdserve.protocol.control import Register
 
 COORDINATOR, GATEWAY, PREFILL, DECODE = "coordinator", "gateway", "prefill", "decode"
-ROLES = (COORDINATOR, GATEWAY, PREFILL, DECODE)  # in the order keygen writes them
-ALL = "all"  # keygen's shorthand for every role (an identity that runs the whole cluster)
+ADMIN = "admin"  # the operator's: changes rollouts (``pdserve rollout``), runs no process
+ROLES = (COORDINATOR, GATEWAY, PREFILL, DECODE, ADMIN)  # in the order keygen writes them
+ALL = "all"  # keygen's shorthand for every process role (an identity that runs the cluster)
+PROCESS_ROLES = ROLES[:4]  # what ``all`` stands for
 WORKERS = frozenset({PREFILL, DECODE})
 
 
@@ -44,6 +51,7 @@ class Receiver(StrEnum):
     WORKER = "worker"
     GATEWAY = "gateway"
     KV = "kv"
+    ADMIN = "admin"  # ``pdserve rollout``'s socket for the coordinator's answer
 
 
 def _only(*roles: str) -> frozenset[str]:
@@ -64,6 +72,7 @@ SENDERS: dict[Receiver, dict[str, frozenset[str]]] = {
         "request_error": WORKERS,
         "reserved": _only(DECODE),
         "transfer_done": _only(PREFILL),
+        "rollout_command": _only(ADMIN),
     },
     Receiver.WORKER: {
         "reserve": _only(COORDINATOR),
@@ -85,6 +94,9 @@ SENDERS: dict[Receiver, dict[str, frozenset[str]]] = {
         "gpu_hello": _only(PREFILL),
         "gpu_begin": _only(PREFILL),
         "gpu_done": _only(PREFILL),
+    },
+    Receiver.ADMIN: {
+        "rollout_answer": _only(COORDINATOR),
     },
 }
 
@@ -122,7 +134,7 @@ def parse_roles(text: str) -> frozenset[str]:
     wrong."""
     names = [n.strip() for n in text.split("+")]
     if names == [ALL]:
-        return frozenset(ROLES)
+        return frozenset(PROCESS_ROLES)
     unknown = [n for n in names if n not in ROLES]
     if unknown:
         raise ValueError(

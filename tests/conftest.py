@@ -34,6 +34,7 @@ SLOW_MODULES = (
     "test_e2e_embeddings",
     "test_responses_api_e2e",
     "test_prometheus_live",
+    "test_rollouts_e2e",
 )
 
 

@@ -230,3 +230,45 @@ def _children(parent: int) -> list[tuple[int, str]]:
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
     rows = [line.split(None, 2) for line in out.stdout.splitlines()]
     return [(int(pid), args) for pid, ppid, args in rows if int(ppid) == parent]
+
+
+def test_the_only_prefill_worker_killed_under_load_fails_no_request(tiny_dir) -> None:
+    """Its decode worker prefills what the dead one had (and, once the coordinator sees it
+    gone, every new request) until serve has restarted it: no request fails."""
+    c = ServedCluster(tiny_dir, "--prefill=1", "--decode=1", "--num-kv-blocks=1024")
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                body = {
+                    "model": c.model_name,
+                    "prompt": f"client {i} asks {len(statuses)}",
+                    "max_tokens": 16,
+                    "ignore_eos": True,
+                }
+                statuses.append(http.post(f"{c.url}/v1/completions", json=body).status_code)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    try:
+        for t in clients:
+            t.start()
+        time.sleep(1.0)
+        [pid] = pids_of("prefill-0", c.proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        # past the heartbeat timeout (5 s) and the restart: both ways the death shows
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and pids_of("prefill-0", c.proc.pid) in ([], [pid]):
+            time.sleep(0.2)
+        time.sleep(6.0)
+        stop.set()
+        for t in clients:
+            t.join(120)  # a hang bound only
+        assert not any(t.is_alive() for t in clients), "a client hung"
+        failed = [s for s in statuses if s != 200]
+        assert statuses and failed == [], (len(statuses), failed, c.output()[-6000:])
+        assert set(c.wait_blocks_free().values()) == {0.0}
+    finally:
+        stop.set()
+        c.stop()

@@ -215,8 +215,8 @@ def test_client_disconnect_frees_blocks(cluster) -> None:
 
 
 def aborted_count(c: ServedCluster) -> float:
-    found = re.search(r'^pdserve_requests_total\{outcome="aborted"\} (\S+)$', c.metrics(), re.M)
-    return float(found.group(1)) if found else 0.0
+    pattern = r'^pdserve_requests_total\{model="[^"]*",outcome="aborted"\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, c.metrics(), re.M))
 
 
 @pytest.mark.parametrize(

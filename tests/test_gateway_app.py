@@ -454,9 +454,9 @@ def test_metrics_endpoint(tokenizers: dict[str, Tokenizer]) -> None:
     assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     families = parse_prometheus(response.text)
     requests = families["pdserve_requests_total"][1]
-    assert requests == {
-        ("pdserve_requests_total", (("outcome", o),)): 1.0
-        for o in ("invalid", "rejected", "success")
+    assert requests == {  # a request's model once it was found (a 404's never is)
+        ("pdserve_requests_total", (("model", model), ("outcome", o))): 1.0
+        for model, o in (("", "invalid"), ("tiny-llama", "rejected"), ("tiny-llama", "success"))
     }
     prompt = len(tok.encode_chat(MESSAGES))
     assert families["pdserve_prompt_tokens_total"][1] == {

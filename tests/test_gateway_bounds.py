@@ -38,7 +38,7 @@ def test_a_stream_that_hears_nothing_ends_with_an_error(serve: Serve) -> None:
     )
     assert events[1:] == [idle, "[DONE]"]
     assert served.backend.aborted == [events[0]["id"]]
-    assert served.metrics.requests.value(outcome="timeout") == 1
+    assert served.metrics.requests.total(outcome="timeout") == 1
 
 
 def test_a_reader_that_stays_behind_is_cut_off(tok: Tokenizer) -> None:

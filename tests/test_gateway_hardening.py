@@ -62,8 +62,8 @@ def test_timeout_non_streaming_is_504_and_aborts(serve: Serve) -> None:
     # counts the outcome), never the client's
     assert (response.status_code, response.json()) == (504, TIMEOUT)
     assert served.backend.aborted == [served.backend.submitted[0].request_id]
-    assert served.metrics.requests.value(outcome="timeout") == 1
-    assert served.metrics.requests.value(outcome="error") == 0
+    assert served.metrics.requests.total(outcome="timeout") == 1
+    assert served.metrics.requests.total(outcome="error") == 0
 
 
 def test_timeout_streaming_ends_with_an_error_event(serve: Serve, tok: Tokenizer) -> None:
@@ -75,7 +75,7 @@ def test_timeout_streaming_ends_with_an_error_event(serve: Serve, tok: Tokenizer
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": tok.decode([5])}
     assert events[1:] == [TIMEOUT, "[DONE]"]
     assert served.backend.aborted == [events[0]["id"]]
-    assert served.metrics.requests.value(outcome="timeout") == 1
+    assert served.metrics.requests.total(outcome="timeout") == 1
 
 
 def test_timeout_while_submitting(serve: Serve) -> None:
@@ -86,7 +86,7 @@ def test_timeout_while_submitting(serve: Serve) -> None:
         assert (response.status_code, response.json()) == (504, TIMEOUT)
     assert len(served.backend.submitted) == 2
     assert served.backend.aborted == [r.request_id for r in served.backend.submitted]
-    assert served.metrics.requests.value(outcome="timeout") == 2
+    assert served.metrics.requests.total(outcome="timeout") == 2
 
 
 def test_no_timeout_when_off(serve: Serve) -> None:
@@ -97,7 +97,7 @@ def test_no_timeout_when_off(serve: Serve) -> None:
         with pytest.raises(TimeoutError):
             client.recv(1)  # a second without an answer: no timeout ended it
     wait_until(lambda: len(served.backend.aborted) == 1, what="the abort on the disconnect")
-    assert served.metrics.requests.value(outcome="timeout") == 0
+    assert served.metrics.requests.total(outcome="timeout") == 0
 
 
 # ---- overload and Retry-After ------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_in_flight_limit_is_429_with_retry_after(serve: Serve) -> None:
     assert wait_for(lambda: len(served.backend.aborted) == 2)
     served.backend.script.hang_after = None
     assert httpx.post(f"{url}/v1/completions", json=COMPLETION).status_code == 200
-    assert served.metrics.requests.value(outcome="rejected") == 1
+    assert served.metrics.requests.total(outcome="rejected") == 1
 
 
 @pytest.mark.parametrize("status", [429, 503])
@@ -168,7 +168,7 @@ def test_draining_refuses_new_requests(serve: Serve, tok: Tokenizer) -> None:
         assert in_flight(url) == 1  # /metrics stays open
     assert wait_for(lambda: served.backend.aborted == [first["id"]])
     assert wait_for(lambda: in_flight(url) == 0)
-    assert served.metrics.requests.value(outcome="rejected") == 1
+    assert served.metrics.requests.total(outcome="rejected") == 1
 
 
 def test_expire_all_ends_running_streams(tok: Tokenizer) -> None:

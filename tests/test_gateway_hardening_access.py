@@ -36,7 +36,7 @@ def test_api_keys(serve: Serve) -> None:
         response = httpx.get(f"{url}/v1/models", headers={"Authorization": header})
         assert (response.status_code, response.json()) == (401, WRONG_KEY)
     assert served.backend.submitted == []
-    assert served.metrics.requests.value(outcome="invalid") == 1  # the one generation request
+    assert served.metrics.requests.total(outcome="invalid") == 1  # the one generation request
     for key in ("sk-one", "sk-two"):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
         assert client.completions.create(model="tiny", prompt="Hi").choices[0].text == "ok"

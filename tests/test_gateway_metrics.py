@@ -57,10 +57,10 @@ def test_misuse_is_refused() -> None:
 
 def test_gateway_metrics_parse_and_track_workers() -> None:
     m = GatewayMetrics()
-    m.requests.inc(outcome="success")
-    m.ttft.observe(0.2)
-    m.itl.observe(0.01)
-    m.e2e.observe(1.5)
+    m.requests.inc(model="tiny", outcome="success")
+    m.ttft.observe(0.2, model="tiny")
+    m.itl.observe(0.01, model="tiny")
+    m.e2e.observe(1.5, model="tiny")
     m.prompt_tokens.inc(12)
     m.generation_tokens.inc(30)
     workers = [
@@ -110,6 +110,7 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_planner_desired_workers": "gauge",
         "pdserve_planner_max_local_prefill_tokens": "gauge",
         "pdserve_planner_input": "gauge",
+        "pdserve_request_phase_seconds": "histogram",
     }
     assert families["pdserve_routing_decisions_total"][1] == {
         ("pdserve_routing_decisions_total", (("reason", "disaggregated"),)): 3,
@@ -121,8 +122,9 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         ("pdserve_kv_blocks_used", (("role", "prefill"), ("worker", "p0"))): 10.0,
     }
     ttft = families["pdserve_time_to_first_token_seconds"][1]
-    assert ttft[("pdserve_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 0
-    assert ttft[("pdserve_time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1
+    bucket = "pdserve_time_to_first_token_seconds_bucket"
+    assert ttft[(bucket, (("model", "tiny"), ("le", "0.1")))] == 0
+    assert ttft[(bucket, (("model", "tiny"), ("le", "0.25")))] == 1
     assert families["pdserve_prompt_tokens_total"][1] == {("pdserve_prompt_tokens_total", ()): 12}
     families = parse_prometheus(m.render(workers[1:]))  # p0 left: its series go
     assert len(families["pdserve_requests_waiting"][1]) == 1

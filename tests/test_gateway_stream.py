@@ -234,11 +234,11 @@ def test_collect_equals_stream_and_counts_metrics(tokenizer: Tokenizer) -> None:
     assert [c["message"]["content"] for c in body["choices"]] == streamed == ["Hi there", "reH"]
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "stop"]
     assert body["usage"] == usage_body(Usage(3, 8, 0))
-    assert metrics.requests.value(outcome="success") == 1
+    assert metrics.requests.total(outcome="success") == 1
     assert metrics.prompt_tokens.value() == 3
     assert metrics.generation_tokens.value() == 8
-    assert metrics.ttft.count() == 1 and metrics.e2e.count() == 1
-    assert metrics.itl.count() == 8 - 2  # every token but each choice's first
+    assert metrics.ttft.count(model="tiny") == 1 and metrics.e2e.count(model="tiny") == 1
+    assert metrics.itl.count(model="tiny") == 8 - 2  # every token but each choice's first
 
 
 def test_rejected_submit_raises_before_any_output(tokenizer: Tokenizer) -> None:

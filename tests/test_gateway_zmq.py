@@ -496,7 +496,7 @@ def test_gateway_args(monkeypatch: pytest.MonkeyPatch) -> None:
         "allowed_origins": [], "allowed_methods": ["*"], "allowed_headers": ["*"],
         "allow_credentials": False, "tool_call_parser": "auto", "enable_auto_tool_choice": False,
         "tenants": None, "rate_limit_store": "memory", "rate_limit_gateways": 1, "usage_db": None,
-        "rate_limit_store_password_file": None,
+        "rate_limit_store_password_file": None, "otlp_endpoint": None,
     }  # fmt: skip
     monkeypatch.delenv(COORDINATOR_ENV)
     parser = argparse.ArgumentParser()

@@ -36,7 +36,8 @@ def test_the_reason_or_none(max_local, max_queue, prompt, cached, queued, want) 
 
 
 def test_reasons_are_the_metric_labels_and_thresholds_are_checked() -> None:
-    assert [r.value for r in LocalReason] == ["local_short_prompt", "local_prefill_busy"]
+    reasons = ["local_short_prompt", "local_prefill_busy", "local_no_prefill"]
+    assert [r.value for r in LocalReason] == reasons
     for bad in ((-1, 0), (0, -1)):
         with pytest.raises(ValueError, match="thresholds must be >= 0"):
             ConditionalDisaggPolicy(*bad)

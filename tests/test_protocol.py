@@ -51,6 +51,7 @@ from pdserve.protocol.messages import (
     decode,
     encode,
 )
+from pdserve.protocol.rollouts import RolloutAnswer, RolloutCommand
 from pdserve.protocol.transfer import KVAck, KVPeer, KVPeers
 from pdserve.runtime import sockets
 from pdserve.runtime.loop import PushOutbox
@@ -248,6 +249,17 @@ SAMPLES = [
         share=m.Share(tenant="t", tier=m.Tier.STANDARD, weight=1, priority=2),
     ),
     m.EmbedResult(request_id="e1", dim=2, vectors=bytes(range(16)), num_tokens=5),
+    RolloutCommand(
+        request_id="c1",
+        reply_address="tcp://127.0.0.1:6",
+        action="set",
+        model="chat",
+        weights={"v1": 75, "v2": 25},
+    ),
+    RolloutAnswer(
+        request_id="c1",
+        rollouts=[m.Rollout(model="chat", stable="v1", weights={"v1": 75, "v2": 25})],
+    ),
     KVHeader(
         request_id="r1",
         dst_block_ids=[4, 9],
@@ -301,7 +313,7 @@ def test_wire_form_is_a_tagged_versioned_map() -> None:
     (frame,) = encode(Abort("r1", "client disconnected"))
     assert msgpack.unpackb(frame) == {
         "type": "abort",
-        "v": 13,
+        "v": 14,
         "request_id": "r1",
         "reason": "client disconnected",
         "choice": None,
@@ -451,9 +463,9 @@ def test_out_of_range_sampling_is_refused_by_the_codec(changes: dict, message: s
         (frame0(type="nope", v=1), "unknown message type 'nope'"),
         (frame0(v=1), "message type must be a str, got NoneType"),
         ([msgpack.packb([1, 2])], "frame 0 must be a map, got list"),
-        (abort_frames(v=1), "Abort: protocol version 1, expected 13"),
-        (abort_frames(v=6), "Abort: protocol version 6, expected 13"),
-        (abort_frames(v=True), "Abort: protocol version True, expected 13"),
+        (abort_frames(v=1), "Abort: protocol version 1, expected 14"),
+        (abort_frames(v=6), "Abort: protocol version 6, expected 14"),
+        (abort_frames(v=True), "Abort: protocol version True, expected 14"),
         (abort_frames(v=...), "Abort: missing protocol version 'v'"),
         (abort_frames(reason=...), "Abort: missing field 'reason'"),
         (abort_frames(extra=1), "Abort: unexpected field 'extra'"),

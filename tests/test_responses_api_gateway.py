@@ -301,13 +301,13 @@ def test_text_format_json_schema_reaches_the_worker(served: Served, tok: Tokeniz
     ],
 )  # fmt: skip
 def test_refusals_are_openai_errors(served: Served, fields: dict[str, Any], param: str) -> None:
-    before = served.metrics.requests.value(outcome="invalid")
+    before = served.metrics.requests.total(outcome="invalid")
     with pytest.raises(openai.APIStatusError) as caught:
         api(served.url).responses.create(**{"model": "tiny", "input": "Hi", **fields})
     error = caught.value
     assert error.status_code == (404 if param == "model" else 400)
     assert isinstance(error.body, dict) and error.body["param"] == param
-    assert served.metrics.requests.value(outcome="invalid") == before + 1
+    assert served.metrics.requests.total(outcome="invalid") == before + 1
 
 
 def test_a_failure_after_the_first_byte(served: Served, tok: Tokenizer) -> None:

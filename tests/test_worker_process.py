@@ -387,7 +387,7 @@ def test_the_coordinator_writes_its_bound_address(env: pytest.MonkeyPatch, tmp_p
 
     def fake_coordinator(*args: object, **kw: object) -> SimpleNamespace:
         made.append((args[1:], kw))
-        return SimpleNamespace(handle=None, tick=None)
+        return SimpleNamespace(handle=None, tick=None, shared=SimpleNamespace())
 
     def fake_serve(inbox: zmq.Socket, *args: object, **kw: object) -> None:
         served.append(bound_address(inbox))
@@ -407,6 +407,8 @@ def test_the_coordinator_writes_its_bound_address(env: pytest.MonkeyPatch, tmp_p
     assert re.fullmatch(r"tcp://127\.0\.0\.1:[1-9][0-9]*", served[0])
     assert address_file.read_text() == served[0]
     kw_planner = made[0][1]["make_planner"]
+    rollouts = made[0][1]["rollouts"]
+    assert rollouts.rollouts() == []  # no versions named
     assert kw_planner("tiny").profiles == {}  # no profile shipped for a random model
     assert not Path(f"{address_file}.tmp").exists()
     assert made == [
@@ -424,6 +426,9 @@ def test_the_coordinator_writes_its_bound_address(env: pytest.MonkeyPatch, tmp_p
                 planner_interval_s=5.0,
                 planner_window_s=30.0,
                 auto_local=False,  # a figure given: the planner's threshold is not used
+                hold_timeout_s=10.0,
+                rollouts=rollouts,
+                canary_gate=None,
             ),
         )
     ]

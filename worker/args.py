@@ -9,6 +9,7 @@ from pdserve import envs
 from pdserve.engine.cli_args import add_engine_args
 from pdserve.kvtransfer import backends as transfer_backends
 from pdserve.runtime.health_http import add_health_args
+from pdserve.runtime.tracing import add_otlp_args
 
 HEARTBEAT_PERIOD_S = 1.0  # the coordinator's timeout (5 s) allows a few to go missing
 
@@ -68,6 +69,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="the model name clients use (default: the model directory's name)",
     )
     add_health_args(g)
+    add_otlp_args(g)
     return g
 
 

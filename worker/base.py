@@ -10,11 +10,13 @@ from __future__ import annotations
 import enum
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import Generic, Protocol, TypeVar
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol import messages as m
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.runtime.tracing import NO_TRACER, Tracer
 from pdserve.worker.wire import Outbox, TokenBatcher, TransferStats
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class Worker(ABC, Generic[R]):
         self.draining = False
         self.records: dict[ChoiceKey, R] = {}
         self.kv_failures = 0  # KV transfers that failed here: pushes, or KV received broken
+        self.tracer: Tracer = NO_TRACER  # its spans (``--otlp-endpoint``: runtime/tracing.py)
+        self.step_started = 0.0  # time.monotonic() when the current (or last) step began
 
     @abstractmethod
     def handle(self, msg: m.Message) -> None:
@@ -64,6 +68,11 @@ class Worker(ABC, Generic[R]):
     def keys_in(self, state: enum.Enum) -> list[ChoiceKey]:
         """The keys of the records in ``state``, in arrival order."""
         return [key for key, record in self.records.items() if record.state is state]
+
+    def prompt_started(self, engine_id: Hashable) -> bool:
+        """Whether the engine has begun computing this prompt (a chunk of it scheduled)."""
+        seq = self.engine.requests.live.get(engine_id)
+        return seq is not None and seq.num_computed_tokens > 0
 
     @property
     def queued_prompt_tokens(self) -> int:

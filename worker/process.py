@@ -32,6 +32,7 @@ from pdserve.runtime.gate import RoleGate
 from pdserve.runtime.liveness import Liveness
 from pdserve.runtime.loop import Drain, PushOutbox, serve, stop_on_signals
 from pdserve.runtime.sockets import bound_address, make_socket
+from pdserve.runtime.tracing import tracer_from_args
 from pdserve.worker.args import HEARTBEAT_PERIOD_S, check_worker_args
 from pdserve.worker.base import Record, Worker
 from pdserve.worker.health import WorkerHealth
@@ -76,6 +77,7 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
     control, outbox, parts = _open(args, role, build, ctx, engine, worker_id)
     worker = parts.worker
     register = _register(args, parts.wire_role or role, engine, worker_id, control, parts)
+    worker.tracer = tracer = tracer_from_args(args, f"pdserve-{register.role}")
     # Register again each period (a restarted coordinator relearns the cluster from it) is
     # the keep-alive; the Heartbeat is built on the loop thread, the only one touching the
     # engine, once a period and at once on drain (serve calls periodic then).
@@ -118,6 +120,7 @@ def run_worker(args: argparse.Namespace, role: Role, build: Build) -> int:
             parts.transport.close()
         outbox.close()
         control.close()
+        tracer.close()
         health.close()  # its connection to the coordinator first: term waits for sockets
         ctx.term()
     return 0

@@ -65,10 +65,16 @@ def transfer_id(key: ChoiceKey) -> str:
 
 
 def token_chunk(
-    key: ChoiceKey, out: RequestOutput, index: int, token_ids: list[int], reason: str | None
+    key: ChoiceKey,
+    out: RequestOutput,
+    index: int,
+    token_ids: list[int],
+    reason: str | None,
+    phases: dict[str, float] | None = None,
 ) -> m.TokenChunk:
     """``token_ids`` of ``out`` for choice ``key``, the first at ``index``; ``reason``: why the
-    choice ends with them (a ``FinishReason`` value; None: it goes on)."""
+    choice ends with them (a ``FinishReason`` value; None: it goes on); ``phases``: this
+    worker's of the request, on its first chunk (``protocol.phases``)."""
     return m.TokenChunk(
         request_id=key.request_id,
         choice=key.choice,
@@ -80,6 +86,7 @@ def token_chunk(
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         prompt_logprobs=out.prompt_logprobs,
+        phases=phases,
     )
 
 

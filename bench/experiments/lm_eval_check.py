@@ -81,10 +81,11 @@ def served_counters(url: str) -> tuple[int, int]:
     """(successful requests, admitted prompt tokens) from pdserve's /metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
-    requests = re.search(r'^pdserve_requests_total\{outcome="success"\} (\S+)$', text, re.M)
+    pattern = r'^pdserve_requests_total\{model="[^"]*",outcome="success"\} (\S+)$'
+    requests = sum(float(v) for v in re.findall(pattern, text, re.M))
     tokens = re.search(r"^pdserve_prompt_tokens_total (\S+)$", text, re.M)
     return (
-        int(float(requests.group(1))) if requests else 0,
+        int(requests),
         int(float(tokens.group(1))) if tokens else 0,
     )
 

@@ -17,12 +17,16 @@ class _Buffer:
         self.ttft: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.tpot: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.output: deque[int] = deque(maxlen=MAX_SAMPLES)
+        self.requests = 0
+        self.errors = 0
 
 
 class LatencySampler:
     """Each model's samples since the last hello, at most ``MAX_SAMPLES`` of each (the oldest
-    go first); bounded in models too: a model name reaches here only once a request for it was
-    admitted, and the buffers empty at every hello."""
+    go first), and each model's requests ended and failed (the canary gate's); bounded in
+    models too: a model name reaches here only once a request for it was admitted (or refused
+    after its name was found: a served model, a rollout's version), and the buffers empty at
+    every hello."""
 
     def __init__(self) -> None:
         self._models: dict[str, _Buffer] = {}
@@ -37,6 +41,12 @@ class LatencySampler:
         if tokens > 1:
             buffer.tpot.append(decode_s / (tokens - 1))
 
+    def request_ended(self, model: str, failed: bool) -> None:
+        """A request ended, or was refused before it ran; ``failed``: by the server's fault."""
+        buffer = self._buffer(model)
+        buffer.requests += 1
+        buffer.errors += failed
+
     def drain(self) -> list[LatencySamples]:
         """Every model's samples, emptied."""
         models, self._models = self._models, {}
@@ -46,6 +56,8 @@ class LatencySampler:
                 ttft_s=list(b.ttft),
                 tpot_s=list(b.tpot),
                 output_tokens=list(b.output),
+                requests=b.requests,
+                errors=b.errors,
             )
             for name, b in sorted(models.items())
         ]

@@ -73,6 +73,11 @@ class _Valued(_Metric):
 class Counter(_Valued):
     kind = "counter"
 
+    def total(self, **labels: str) -> float:
+        """The sum over every series with these labels (the others any value)."""
+        idx = [(self.labelnames.index(name), value) for name, value in labels.items()]
+        return sum(v for k, v in self._values.items() if all(k[i] == x for i, x in idx))
+
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
             raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
