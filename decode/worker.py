@@ -161,6 +161,11 @@ class DecodeWorker(Worker[DecodeRecord]):
         try:
             if msg.generated_token_ids:  # a stream moving here from a dead worker
                 pending = self.records.get(record.key)
+                if pending is not None and pending.state is DecodeState.RUNNING:
+                    # this worker was taken for dead (heartbeats missed) but never stopped: the
+                    # stream goes on here, and its gateway drops the tokens it already has
+                    logger.info("%s: a resume of a stream it still runs: goes on", record.key)
+                    return
                 if pending is not None and pending.state in PENDING:  # its reservation is moot
                     self._free(record.key, DecodeState.ABORTED)
                 self.engine.handoff.add_continuation(

@@ -169,3 +169,33 @@ def test_holds_are_bounded() -> None:
     assert [holds.hold(r, 0.0) for r in reqs] == [True, True, False]
     with pytest.raises(ValueError):
         Holds(-1.0)
+
+
+def test_a_resume_of_a_stream_its_worker_still_runs_lets_it_go_on(split, tiny_dir) -> None:
+    """A worker taken for dead (heartbeats missed under load) but alive is asked to resume a
+    stream it still runs: the stream goes on there, once, with no error (it was a 400,
+    "already running")."""
+    prompt = prompts(512, [12], seed=9)[0]
+    spec = m.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    split.submit("r", prompt, spec)
+    while not (running := [w for w in ("d0", "d1") if split.workers[w].engine.has_unfinished()]):
+        split.pump_round()
+    [wid] = running
+    while split.tokens_sent("r") < 4:
+        split.pump_round()
+    so_far = [t for c in split.chunks() if c.request_id == "r" for t in c.token_ids][:3]
+    resume = m.PrefillJob(
+        request_id="r",
+        prompt_token_ids=prompt,
+        sampling=spec,
+        n=1,
+        dst_block_ids=[],
+        transfer_address="",
+        stream_address="gw",
+        generated_token_ids=so_far,
+    )
+    split.workers[wid].handle(resume)
+    split.pump()
+    assert split.errors() == []
+    assert split.tokens("r") == {0: hf_greedy(tiny_dir, prompt, 24)}
+    assert set(split.used_blocks().values()) == {0}
