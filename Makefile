@@ -50,7 +50,7 @@ typecheck: $(STAMP)
 	  --config-file "$(CURDIR)/pyproject.toml" --python-executable "$(CURDIR)/$(PY)" $(TYPED)
 
 # Two pytest workers (pytest-xdist), each module's tests on one of them so a module's cluster
-# is started once: 872 s on this 2-core machine (2026-11-29 18:19, 2,251 tests; 569-1,067 s
+# is started once: 1,069 s on this 2-core machine (2026-11-29 22:19, 2,339 tests; 569-1,311 s
 # on other runs, by the host's speed and the tests then: README).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) typecheck
