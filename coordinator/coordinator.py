@@ -227,7 +227,8 @@ class Coordinator:
         if not len(self.holds):
             return
         reg = self.registry
-        runnable, expired = self.holds.take(lambda model: reg.state(model) is not HOLDING, now)
+        holding = ModelState.HOLDING
+        runnable, expired = self.holds.take(lambda model: reg.state(model) is not holding, now)
         for req in runnable:
             self._generate(req, now)
         for held in expired:
@@ -238,7 +239,7 @@ class Coordinator:
     def _generate(self, req: m.Generate, now: float) -> None:
         reg, shared = self.registry, self.shared
         state = reg.state(req.model)
-        if state is HOLDING:  # a worker is away (restarting): wait for it, a bounded while
+        if state is ModelState.HOLDING:  # a worker is away (restarting): wait, a bounded while
             if not self.holds.hold(req, now):
                 shared.error_to(req, 503, f"model {req.model} has no worker to take it now")
             else:
@@ -378,8 +379,6 @@ class Coordinator:
             logger.info("request %s: %d %s", msg.request_id, msg.status, msg.message)
             self.shared.outbox.to_gateway(address, error)
 
-
-HOLDING = ModelState.HOLDING
 
 # the messages the coordinator acts on; any other is logged and dropped
 HANDLED = (
