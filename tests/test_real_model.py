@@ -210,28 +210,42 @@ def test_tensor_parallel_3_is_token_exact(real_dir) -> None:
     """SmolLM2-135M: 9 query and 3 KV heads over 3 ranks, in make serve's weight form (its
     GGUF's Q8_0/Q4_1 blocks kept, each rank reading its rows or block columns; float32 and
     int4 measured alike by hand, float split in tests/test_tp.py). The ranks sum o_proj and
-    down_proj partial products in another order than one matmul: the logprobs stay within
-    1e-3 (measured: under 4e-5)."""
-    quantization = "auto"
+    down_proj partial products in another order than one matmul. With float32 activations
+    that is all: the logprobs stay within 1e-4 (measured 4e-6). With make serve's int16
+    activations (quantized per 32 values) a hidden state that moved by that rounding can
+    round to the next int16 step, so the two runs differ by the activation rounding's own
+    size: within 3x of what int16 against float32 activations moves one rank's logprobs
+    (measured 7.3e-4 against 8.4e-4 here, 1.2e-3 on CI's host), tokens equal."""
     tok = Tokenizer.from_dir(real_dir)
     ids = [tok.encode_chat([{"role": "user", "content": q}]) for q in CHATS]
-    runs = []
-    for tp in (1, 3):
-        engine = make_engine(
-            real_dir,
-            block_size=16,
-            num_blocks=128,
-            dtype="auto",
-            quantization=quantization,
-            tensor_parallel_size=tp,
-            threads=1,
-        )
-        runs.append(engine.generate(ids, greedy(16, logprobs=0)))
-        engine.close()
-    for one, three in zip(*runs, strict=True):
-        assert three.new_token_ids == one.new_token_ids
-        diffs = [
-            abs(a.logprob - b.logprob)
-            for a, b in zip(one.new_logprobs, three.new_logprobs, strict=True)
-        ]
-        assert max(diffs) < 1e-3
+    runs = {}
+    for activations in ("float32", "int16"):
+        for tp in (1, 3):
+            engine = make_engine(
+                real_dir,
+                block_size=16,
+                num_blocks=128,
+                dtype="auto",
+                quantization="auto",
+                quant_activations=activations,
+                tensor_parallel_size=tp,
+                threads=1,
+            )
+            runs[activations, tp] = engine.generate(ids, greedy(16, logprobs=0))
+            engine.close()
+
+    def max_logprob_diff(a: tuple[str, int], b: tuple[str, int], same_tokens: bool) -> float:
+        """The largest logprob difference over the tokens both runs chose alike."""
+        worst = 0.0
+        for one, other in zip(runs[a], runs[b], strict=True):
+            if same_tokens:
+                assert other.new_token_ids == one.new_token_ids, (a, b)
+            for i, (x, y) in enumerate(zip(one.new_logprobs, other.new_logprobs, strict=True)):
+                worst = max(worst, abs(x.logprob - y.logprob))
+                if one.new_token_ids[i] != other.new_token_ids[i]:
+                    break
+        return worst
+
+    assert max_logprob_diff(("float32", 1), ("float32", 3), same_tokens=True) < 1e-4
+    rounding = max_logprob_diff(("float32", 1), ("int16", 1), same_tokens=False)
+    assert max_logprob_diff(("int16", 1), ("int16", 3), same_tokens=True) < 3 * rounding
