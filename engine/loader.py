@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.meta_init import on_meta
 from pdserve.engine.model import CausalLM
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.models.gguf import GGUFFile
@@ -146,7 +147,7 @@ def empty_model(
 ) -> CausalLM:
     """A ``CausalLM`` with real, uninitialised storage (its parameters start on meta: no
     random init), the rotary table in float32; a tensor-parallel rank's part with ``layout``."""
-    with torch.device("meta"):
+    with on_meta():
         model = rank_model(cfg, positions, layout)
     return materialise(model, cfg, positions, dtype, device)
 

@@ -50,10 +50,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(rope, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        sin = emb.sin()
+        # computed on the CPU wherever the module is built (a meta-device model's rotary is
+        # replaced once materialised: engine/loader.py), then moved with the module
+        with torch.device("cpu"):
+            inv_freq = inverse_frequencies(rope, head_dim)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+            sin = emb.sin()
         sin[:, : head_dim // 2].neg_()  # rotate_half's sign, folded in (see apply_rotary)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin_signed", sin, persistent=False)

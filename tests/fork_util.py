@@ -41,7 +41,7 @@ def assert_same(got: list[RequestOutput], want: list[RequestOutput]) -> None:
 
 
 def refs(engine: LLMEngine, ids: range) -> list[int]:
-    return [engine.block_manager.blocks[i].ref_count for i in ids]
+    return [engine.block_manager.ref_counts[i] for i in ids]
 
 
 def tables(engine: LLMEngine, ids: list[str]) -> list[list[int]]:

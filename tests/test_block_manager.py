@@ -61,9 +61,9 @@ def test_prefix_hit_shares_blocks_by_id() -> None:
     run(bm, b)
     assert b.block_table == [0, 1, 4, 5]
     assert b.num_computed_tokens == 13
-    assert [bm.blocks[i].ref_count for i in range(6)] == [2, 2, 1, 1, 1, 1]
+    assert bm.ref_counts[:6] == [2, 2, 1, 1, 1, 1]
     bm.free_seq(a)
-    assert [bm.blocks[i].ref_count for i in range(6)] == [1, 1, 0, 0, 1, 1]
+    assert bm.ref_counts[:6] == [1, 1, 0, 0, 1, 1]
     bm.free_seq(b)
     assert bm.num_used_blocks == 0
 
@@ -105,6 +105,27 @@ def test_lru_eviction_order() -> None:
     assert c.block_table == [3, 1, 0]
     assert bm.find_cached_prefix(Seq([1, 2, 3])) == []  # block 0 was evicted
     assert bm.find_cached_prefix(Seq([4, 5, 6])) == [2]  # block 2 survives
+
+
+def test_never_used_blocks_go_between_freed_and_cached_ones() -> None:
+    """A cache of ten million blocks holds no entry per block until one is handed out; the
+    order stays: freed partial blocks first, then never-used ones by id, then cached ones."""
+    bm = BlockManager(num_blocks=10_000_000, block_size=2)
+    assert bm.num_free_blocks == 10_000_000 and 9_999_999 in bm.free
+    a, b = Seq([1, 2, 3]), Seq([4, 5, 6])
+    run(bm, a)  # blocks 0 (cached [1,2]) and 1 (partial)
+    run(bm, b)  # blocks 2 (cached [4,5]) and 3 (partial)
+    bm.free_seq(a)
+    bm.free_seq(b)
+    order = iter(bm.free)
+    assert [next(order) for _ in range(4)] == [3, 1, 4, 5]
+    assert bm.num_free_blocks == 10_000_000 and 0 in bm.free and 4 in bm.free
+    c = Seq(list(range(100, 109)))  # five blocks: the two partial ones, then never-used 4..6
+    run(bm, c)
+    assert c.block_table == [3, 1, 4, 5, 6]
+    assert bm.find_cached_prefix(Seq([1, 2, 3])) == [0]  # cached blocks are taken last
+    with pytest.raises(RuntimeError, match="never handed out"):
+        bm.free.remove(7)
 
 
 def test_allocate_fails_without_side_effects() -> None:

@@ -60,7 +60,7 @@ def test_random_finishes_and_aborts_return_every_block(tiny_dir) -> None:
     run_all(engine)
     bm = engine.block_manager
     assert bm.num_used_blocks == 0
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not any(bm.ref_counts)
     assert bm.num_free_blocks == bm.num_blocks
 
 

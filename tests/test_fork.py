@@ -28,9 +28,9 @@ def test_share_adds_a_reference_and_refuses_a_free_block() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     assert bm.allocate_blocks(3) == [0, 1, 2]
     bm.share([0, 1])
-    assert [b.ref_count for b in bm.blocks[:3]] == [2, 2, 1]
+    assert bm.ref_counts[:3] == [2, 2, 1]
     bm.free_blocks([0, 1, 2])
-    assert [b.ref_count for b in bm.blocks[:3]] == [1, 1, 0] and bm.num_used_blocks == 2
+    assert bm.ref_counts[:3] == [1, 1, 0] and bm.num_used_blocks == 2
     bm.free_blocks([0, 1])
     assert bm.num_used_blocks == 0
     with pytest.raises(RuntimeError, match="block 5 is free"):

@@ -85,9 +85,7 @@ def test_reservation_surplus_is_freed_and_a_shortfall_refused(tiny_dir) -> None:
         "r", IDS[:2], prompt, [o.new_token_ids[0] for o in token0[:2]], [greedy(4)] * 2
     )
     assert tables(decode, IDS[:2]) == [[0, 1, 2], [0, 1, 3]]
-    assert (
-        decode.block_manager.num_used_blocks == 4 and decode.block_manager.blocks[4].ref_count == 0
-    )
+    assert decode.block_manager.num_used_blocks == 4 and decode.block_manager.ref_counts[4] == 0
     run_all(decode)
     assert decode.block_manager.num_used_blocks == 0
 

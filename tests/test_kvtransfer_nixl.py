@@ -394,7 +394,7 @@ def test_offered_blocks_stay_pinned_when_the_prompt_is_preempted(tiny_dir) -> No
     engine.scheduler._preempt(seq, ScheduledBatch())
     assert engine.handoff.computed_blocks("r") == []
     blocks = engine.block_manager
-    assert [blocks.blocks[b].ref_count for b in offered] == [1, 1]  # still held for the read
+    assert [blocks.ref_counts[b] for b in offered] == [1, 1]  # still held for the read
     assert not set(offered) & set(blocks.free)
     while engine.has_unfinished():
         engine.step()

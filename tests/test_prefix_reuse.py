@@ -69,6 +69,6 @@ def test_a_reservation_keeps_its_cached_blocks_from_eviction(tiny_dir) -> None:
     cached_before = bm.num_cached_blocks
     ids, hits = engine.handoff.reserve_prompt("r", prompt)
     assert hits == 3 and len(ids) == 4  # 13 + 1 tokens: 3 shared, 1 fresh
-    assert all(bm.blocks[b].ref_count == 1 for b in ids)
+    assert all(bm.ref_counts[b] == 1 for b in ids)
     engine.handoff.cancel_reservation("r")
     assert bm.num_used_blocks == 0 and bm.num_cached_blocks == cached_before

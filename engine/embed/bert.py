@@ -27,6 +27,7 @@ from torch import nn
 
 from pdserve.engine.embed.sentence_config import EmbeddingConfigError
 from pdserve.engine.loader import iter_weights, safetensors_files
+from pdserve.engine.meta_init import on_meta
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": lambda x: F.gelu(x),  # erf, as transformers' "gelu"
@@ -205,7 +206,7 @@ def _parts(name: str) -> tuple[int | None, ...]:
 def load_bert(path: Path) -> BertEncoder:
     """``path``'s BERT (config.json, *.safetensors) in float32 on CPU."""
     cfg = BertConfig.from_dict(json.loads((path / "config.json").read_text()), str(path))
-    with torch.device("meta"):  # no random init: every parameter is loaded below
+    with on_meta():  # no random init: every parameter is loaded below
         encoder = BertEncoder(cfg)
     encoder = encoder.to_empty(device="cpu")
     encoder.load_weights(iter_weights(safetensors_files(path)))

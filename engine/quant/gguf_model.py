@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.meta_init import on_meta
 from pdserve.engine.model import CausalLM
 from pdserve.engine.quant.gguf_weights import (
     QUANTIZED,
@@ -74,7 +75,7 @@ def load_gguf_kept(
         label = quantization_label(f.type_counts())
         if label == "none":
             return None
-        with torch.device("meta"):
+        with on_meta():
             model = rank_model(cfg, positions, layout)
         slots = list(_linear_slots(model, cfg))
         for owner, attr, _ in slots:
