@@ -66,6 +66,15 @@ class ServedCluster:
             out[worker] = float(value)
         return out
 
+    def worker_steps(self) -> dict[str, float]:
+        """Engine steps each worker ran since it started (every kind), as its last heartbeat
+        told: a counter, so a short request shows where a blocks-used gauge may miss it."""
+        pattern = r'^pdserve_worker_step_seconds_count\{[^}]*worker="([^"]+)"[^}]*\} (\S+)$'
+        out: dict[str, float] = {}
+        for worker, value in re.findall(pattern, self.metrics(), re.MULTILINE):
+            out[worker] = out.get(worker, 0.0) + float(value)
+        return out
+
     def gateway_in_flight(self) -> float:
         """Generation requests the gateway holds now (an abandoned one until it lets go)."""
         found = re.search(r"^pdserve_gateway_requests_in_flight (\S+)$", self.metrics(), re.M)

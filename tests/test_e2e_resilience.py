@@ -9,11 +9,13 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tests.e2e_util import ServedCluster
+from tests.gateway_util import wait_for
 
 
 def pids_of(worker_id: str, parent: int) -> list[int]:
@@ -67,7 +69,7 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
         body = {
             "model": c.model_name,
             "prompt": "a long story",
-            "max_tokens": 1500,
+            "max_tokens": 800,
             "ignore_eos": True,
             "stream": True,
         }
@@ -108,19 +110,22 @@ def test_decode_worker_killed_mid_stream(small_dir, migrations: int) -> None:
         while c.kv_blocks_used().get(dead) != 0.0 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert c.kv_blocks_used().get(dead) == 0.0, "the restarted worker never reported"
-        seen = False
-        # long enough to span several heartbeats (the blocks-used figure moves with them)
-        short = {**body, "max_tokens": 1500}
-        streams = [
-            threading.Thread(target=stream_events, args=(c.url, short, [], threading.Event()))
-            for _ in range(4)
-        ]
-        for s in streams:
-            s.start()
-        while any(s.is_alive() for s in streams):
-            seen = seen or c.kv_blocks_used().get(dead, 0.0) > 0
-            time.sleep(0.1)
-        assert seen, f"the restarted worker got no traffic:\n{c.output()[-6000:]}"
+        # rounds of 4 requests at once until the new process has run a step of its own
+        steps = c.worker_steps().get(dead, 0.0)
+        url = f"{c.url}/v1/completions"
+
+        def complete(i: int) -> int:
+            short = {**body, "prompt": f"request {i}", "max_tokens": 16, "stream": False}
+            return httpx.post(url, json=short, timeout=60).status_code
+
+        for _ in range(10):
+            with ThreadPoolExecutor(4) as pool:
+                codes = list(pool.map(complete, range(4)))
+            assert codes == [200] * 4, codes
+            if wait_for(lambda: c.worker_steps().get(dead, 0.0) > steps, 3):
+                break
+        else:
+            raise AssertionError(f"the restarted worker got no traffic:\n{c.output()[-6000:]}")
         assert set(c.wait_blocks_free().values()) == {0.0}
     finally:
         c.stop()
