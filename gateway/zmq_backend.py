@@ -287,7 +287,10 @@ class ZmqBackend(Backend):
             if not await self._send(hello):
                 log.debug("no connection to the coordinator at %s yet", self.coordinator_address)
             self._fail_unanswered()
-            await asyncio.sleep(self.hello_interval_s)
+            # unhealthy (starting, or the coordinator lost): asked again soon, so that the
+            # first model ready is served within a tenth of a second rather than a period
+            ready = self.health()
+            await asyncio.sleep(self.hello_interval_s if ready else min(self.hello_interval_s, 0.1))
 
     def _fail_unanswered(self) -> None:
         """With the coordinator silent, a request nothing has answered yet never will be, and

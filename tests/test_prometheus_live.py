@@ -100,8 +100,10 @@ def _up(url: str) -> bool:
 
 def query(url: str, expr: str) -> list[dict]:
     r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=30)
+    # a Prometheus still starting answers 503 "Service Unavailable", not JSON
+    assert r.status_code == 200, (expr, r.status_code, r.text[:200])
     body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", (expr, body)
+    assert body["status"] == "success", (expr, body)
     return list(body["data"]["result"])
 
 
