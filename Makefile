@@ -55,7 +55,7 @@ typecheck: $(STAMP)
 PYTEST_WORKERS ?= 2
 test: $(STAMP) typecheck
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 serve: $(STAMP)
 	$(VENV)/bin/pdserve serve

@@ -8,33 +8,41 @@ import pytest
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope"]
 
-# The modules whose tests take longest (a fresh `make test`, 2026-11-29), run first: `make
-# test`'s two workers take a module at a time in collection order, and one of these left to
-# the end ran alone for minutes while the other worker idled (795 s against 572 s).
+# The modules whose tests take longest (their summed durations in a fresh `make test`,
+# 2026-11-29 23:54), run first and longest first: `make test`'s two workers take a module at
+# a time in this order (--no-loadscope-reorder: xdist would otherwise put the modules with
+# the most tests first, and a one-test module of 96 s ran alone at the end while the other
+# worker idled), and one of these left to the end runs alone for minutes.
 SLOW_MODULES = (
-    "test_autoscale_e2e",
     "test_e2e_resilience",
     "test_real_model",
-    "test_e2e_netns",
+    "test_rollouts_e2e",
+    "test_autoscale_e2e",
     "test_e2e_nixl",
-    "test_e2e_serving",
+    "test_tp_processes",
     "test_e2e_bounds",
+    "test_e2e_preemption",
+    "test_e2e_serving",
     "test_e2e_structured",
     "test_tools_e2e",
-    "test_tp_processes",
-    "test_e2e_preemption",
-    "test_tp",
-    "test_tp_cluster",
+    "test_tenancy_e2e",
+    "test_spec_e2e",
+    "test_kv_by_need",
+    "test_e2e_netns",
+    "test_gateway_hardening_fuzz",
+    "test_kvtransfer_nixl",
+    "test_responses_api_agents",
+    "test_structured",
     "test_kv_routing",
     "test_compile",
-    "test_spec_engine",
-    "test_spec_e2e",
-    "test_responses_api_agents",
-    "test_e2e_scoring",
+    "test_bench_e2e",
+    "test_tracing",
+    "test_conditional_disagg",
+    "test_tp",
+    "test_tp_cluster",
+    "test_responses_api_gateway",
     "test_e2e_embeddings",
-    "test_responses_api_e2e",
-    "test_prometheus_live",
-    "test_rollouts_e2e",
+    "test_quant_apply_compile",
 )
 
 
