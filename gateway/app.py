@@ -239,7 +239,7 @@ class Gateway:
         self.metrics.in_flight.set(self.admission.in_flight)
         backend = self.backend
         text = self.metrics.render(
-            backend.worker_stats(), backend.routing_decisions(), backend.plans()
+            backend.worker_stats(), backend.routing_decisions(), backend.plans(), backend.models()
         )
         text += rollout_metrics(backend.rollouts())
         return Response(text + self.tenancy.metrics_text(), media_type=CONTENT_TYPE)

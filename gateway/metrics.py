@@ -79,6 +79,15 @@ class GatewayMetrics:
         self.in_flight = r.add(
             Gauge("pdserve_gateway_requests_in_flight", "Generation requests in this gateway.")
         )
+        self.model_state = r.add(
+            Gauge(
+                "pdserve_model_state",
+                "1 for the state each served model is in: ready; no_prefill (no live prefill "
+                "worker: its decode workers prefill too); holding (no worker can decode it: "
+                "requests wait up to the coordinator's --hold-timeout).",
+                ["model", "state"],
+            )
+        )
         self.cluster = ClusterMetrics(r)
         self.planner = PlannerMetrics(r)
         self.samples = LatencySampler()  # what the next hello tells the planner
@@ -97,9 +106,13 @@ class GatewayMetrics:
         stats: Iterable[m.WorkerStatus] = (),
         routing: Mapping[str, int] | None = None,
         plans: Iterable[m.PlanReport] = (),
+        models: Iterable[m.ServedModel] = (),
     ) -> str:
         self.cluster.set(stats, routing or {})
         self.planner.set(list(plans))
+        self.model_state.clear()  # the models served now, as the coordinator last told
+        for served in models:
+            self.model_state.set(1, model=served.name, state=served.degraded or "ready")
         return self.registry.render()
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e_util import ServedCluster
-from tests.gateway_util import wait_for
+from tests.gateway_util import wait_for, wait_until
 
 
 def pids_of(worker_id: str, parent: int) -> list[int]:
@@ -276,4 +276,33 @@ def test_the_only_prefill_worker_killed_under_load_fails_no_request(tiny_dir) ->
         assert set(c.wait_blocks_free().values()) == {0.0}
     finally:
         stop.set()
+        c.stop()
+
+
+def model_states(c: ServedCluster) -> dict[str, str]:
+    """model -> the state ``/metrics`` shows it in (``pdserve_model_state``)."""
+    pattern = r'^pdserve_model_state\{model="([^"]+)",state="(\w+)"\} 1(?:\.0)?$'
+    return dict(re.findall(pattern, c.metrics(), re.MULTILINE))
+
+
+def test_a_model_without_a_live_prefill_worker_shows_degraded(tiny_dir) -> None:
+    """SIGSTOP the only prefill worker: its heartbeats stop, the coordinator takes it for dead
+    (serve sees a live process: no restart), and /metrics shows the model ``no_prefill`` while
+    its decode worker prefills; SIGCONT, and it registers again: ``ready``."""
+    c = ServedCluster(tiny_dir, "--num-kv-blocks=256")
+    try:
+        assert model_states(c) == {c.model_name: "ready"}
+        [pid] = pids_of("prefill-0", c.proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            degraded = {c.model_name: "no_prefill"}
+            wait_until(lambda: model_states(c) == degraded, 60, "the model shown no_prefill")
+            body = {"model": c.model_name, "prompt": "still served?", "max_tokens": 4}
+            r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: model_states(c) == {c.model_name: "ready"}, 60, "the model ready again")
+        assert set(c.wait_blocks_free().values()) == {0.0}
+    finally:
         c.stop()

@@ -80,6 +80,7 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
         "pdserve_prompt_tokens_total": "counter",
         "pdserve_generation_tokens_total": "counter",
         "pdserve_gateway_requests_in_flight": "gauge",
+        "pdserve_model_state": "gauge",
         "pdserve_kv_blocks_used": "gauge",
         "pdserve_kv_blocks_total": "gauge",
         "pdserve_requests_running": "gauge",
@@ -128,3 +129,23 @@ def test_gateway_metrics_parse_and_track_workers() -> None:
     assert families["pdserve_prompt_tokens_total"][1] == {("pdserve_prompt_tokens_total", ()): 12}
     families = parse_prometheus(m.render(workers[1:]))  # p0 left: its series go
     assert len(families["pdserve_requests_waiting"][1]) == 1
+
+
+def test_each_served_model_shows_its_state() -> None:
+    """A model serving degraded (the coordinator's ``ServedModel.degraded``) shows which way;
+    one no longer served leaves the gauge."""
+    from pdserve.protocol.messages import ServedModel
+
+    def served(name: str, degraded: str = "") -> ServedModel:
+        return ServedModel(name=name, root="/m", max_model_len=64, ready=True, degraded=degraded)
+
+    gm = GatewayMetrics()
+    text = gm.render(models=[served("a"), served("b", "no_prefill"), served("c", "holding")])
+    _, states = parse_prometheus(text)["pdserve_model_state"]
+    assert states == {
+        ("pdserve_model_state", (("model", "a"), ("state", "ready"))): 1.0,
+        ("pdserve_model_state", (("model", "b"), ("state", "no_prefill"))): 1.0,
+        ("pdserve_model_state", (("model", "c"), ("state", "holding"))): 1.0,
+    }
+    _, states = parse_prometheus(gm.render(models=[served("b")]))["pdserve_model_state"]
+    assert states == {("pdserve_model_state", (("model", "b"), ("state", "ready"))): 1.0}
