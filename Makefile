@@ -50,8 +50,8 @@ typecheck: $(STAMP)
 	  --config-file "$(CURDIR)/pyproject.toml" --python-executable "$(CURDIR)/$(PY)" $(TYPED)
 
 # Two pytest workers (pytest-xdist), each module's tests on one of them so a module's cluster
-# is started once, the slow modules first in tests/conftest.py's order: 712 s on this 2-core
-# machine (2026-11-30 00:12, 2,340 tests; 1,069-1,311 s the day before: README).
+# is started once, the slow modules first in tests/conftest.py's order: 701 s on this 2-core
+# machine (2026-11-30 00:38, 2,342 tests; 1,069-1,311 s the day before: README).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) typecheck
 	$(VENV)/bin/ruff check .
