@@ -33,7 +33,11 @@ def split(tiny_dir):
 
 
 def kill(c: Cluster, wid: str) -> None:
-    """``wid`` dies: messages to it are lost from now on, and its heartbeats stop."""
+    """``wid`` dies: messages to it are lost from now on, its heartbeats stop, and its KV
+    transport goes with it (``Cluster.close`` closes only the workers left)."""
+    transport = c.transport(wid)
+    if transport is not None:
+        transport.close()
     c.workers.pop(wid)
     c.kv_events.pop(wid)
     c.coordinator.registry.workers[wid].last_seen = -1e12
