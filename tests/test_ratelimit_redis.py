@@ -156,8 +156,10 @@ def test_a_dead_gateways_slots_come_back_when_their_leases_lapse(
 
 
 def two_gateways_admit(stores: list[RedisStore], limits: Limits) -> list[tuple[int, str]]:
-    """8 threads, 4 a gateway, each trying 40 takes; returns (gateway, rid) admitted."""
-    start, taken = threading.Barrier(8), []
+    """8 threads, 4 a gateway, each trying 40 takes, the first of each before any thread goes
+    on (so both gateways are in the race: on a loaded host one thread once took the whole
+    budget before another ran); returns (gateway, rid) admitted."""
+    start, first_round, taken = threading.Barrier(8), threading.Barrier(8), []
 
     def admit(gateway: int) -> None:
         start.wait()
@@ -165,6 +167,8 @@ def two_gateways_admit(stores: list[RedisStore], limits: Limits) -> list[tuple[i
             rid = f"{gateway}-{threading.get_ident()}-{n}"
             if stores[gateway].take("t", limits, 7, rid).refused is None:
                 taken.append((gateway, rid))
+            if n == 0:
+                first_round.wait()
 
     threads = [threading.Thread(target=admit, args=(i % 2,)) for i in range(8)]
     for thread in threads:
