@@ -210,11 +210,21 @@ def test_each_workers_steps_reach_metrics(cluster) -> None:
     assert not {k for k in want if k[0] == "prefill" and k[1] != "prefill"}  # never decodes
 
 
-def test_client_disconnect_frees_blocks(cluster) -> None:
+@pytest.fixture
+def slow_cluster(small_dir):
+    """The small preset: 4,000 tokens take it ~15 s here, so a stream is still going when its
+    blocks show in /metrics (the tiny preset's 2,000 took 1.3 s: a stream could end first)."""
+    c = ServedCluster(small_dir, "--num-kv-blocks=512")
+    yield c
+    c.stop()
+
+
+def test_client_disconnect_frees_blocks(slow_cluster) -> None:
+    cluster = slow_cluster
     body = {
         "model": cluster.model_name,
         "prompt": "keep going",
-        "max_tokens": 2000,
+        "max_tokens": 4000,
         "stream": True,
         "ignore_eos": True,
     }
