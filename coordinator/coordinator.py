@@ -122,7 +122,9 @@ class Coordinator:
         parts = (self.shared, self.placement, self.reservations, timeouts, self.peers, self.local)
         self.recovery = Recovery(*parts)
         self.embeds = EmbedRouter(self.shared.outbox, self.shared.registry)
-        self.rollouts = Rollouts(self.shared.outbox, self.registry, rollouts, canary_gate)
+        self.rollouts = Rollouts(
+            self.shared.outbox, self.registry, rollouts, canary_gate, changed=self._push_state
+        )
         self.decisions: Counter[str] = Counter()  # each choice's route by reason
         self.started_at: float | None = None  # its first message: then it knows no worker
 
@@ -154,13 +156,7 @@ class Coordinator:
         elif isinstance(msg, m.GatewayHello):
             self.planning.heard(msg, now)
             self.rollouts.heard(msg, now)
-            state = dataclasses.replace(
-                self.registry.cluster_state(),
-                routing=self._routing(),
-                plans=self.planning.reports(),
-                rollouts=self.rollouts.rollouts(),
-            )
-            self.shared.outbox.to_gateway(msg.stream_address, state)
+            self.shared.outbox.to_gateway(msg.stream_address, self._state())
         elif isinstance(msg, m.Generate):
             self._generate(msg, now)
         elif isinstance(msg, m.Embed):
@@ -191,6 +187,21 @@ class Coordinator:
         self._run_held(now)
         self.planning.tick(now)
         self.rollouts.tick(now)
+
+    def _state(self) -> m.ClusterState:
+        """The cluster as gateways see it: workers and models, routing, plans, rollouts."""
+        return dataclasses.replace(
+            self.registry.cluster_state(),
+            routing=self._routing(),
+            plans=self.planning.reports(),
+            rollouts=self.rollouts.rollouts(),
+        )
+
+    def _push_state(self) -> None:
+        """The rollout table changed: every gateway heard lately gets the state now."""
+        state = self._state()
+        for address in self.rollouts.gateways:
+            self.shared.outbox.to_gateway(address, state)
 
     def _queued(self, model: str) -> int:
         """Choices of ``model`` waiting for decode blocks."""

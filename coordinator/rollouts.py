@@ -5,7 +5,8 @@ the canary gate acting on it.
         └─▶ RolloutTable: NAME -> stable version, version -> percent of NAME's requests
     RolloutCommand (admin key) ─▶ Rollouts.command ─▶ table ─▶ RolloutAnswer to its sender
     GatewayHello.samples ─▶ CanaryGate ─▶ tick: a canary over its margins goes to 0 (logged)
-    table ─▶ ClusterState.rollouts ─▶ gateways, which pick a version per conversation
+    table ─▶ ClusterState.rollouts ─▶ gateways, which pick a version per conversation: with
+             each gateway's hello, and at once to every gateway heard lately when it changes
 
 The gateways resolve a request to one version when it arrives, so a change here never moves a
 stream in flight: it finishes where it started. Versions are served models of their own
@@ -16,6 +17,7 @@ have registered workers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdserve.coordinator.canary_gate import CanaryGate, GateConfig
 from pdserve.coordinator.registry import WorkerRegistry
@@ -35,6 +37,9 @@ from pdserve.protocol.rollouts import (
 )
 
 logger = logging.getLogger(__name__)
+
+GATEWAY_QUIET_S = 10.0  # a gateway hellos each second: one quiet this long is gone (no push)
+MAX_PUSHED = 64  # gateways pushed a changed table (more hear it with their next hello)
 
 
 class RolloutError(ValueError):
@@ -173,12 +178,17 @@ class Rollouts:
         registry: WorkerRegistry,
         table: RolloutTable | None = None,
         gate: GateConfig | None = None,
+        changed: Callable[[], None] = lambda: None,
     ) -> None:
+        """``changed``: called when the table changed, before the command's answer goes (the
+        coordinator sends its state to ``gateways``, so a rollback is not a hello late)."""
         self.outbox = outbox
         self.registry = registry
         self.table = table or RolloutTable()
         self.gate = CanaryGate(gate) if gate is not None else None
         self.declared = {r.model: set(r.weights) for r in self.table.rollouts()}
+        self.changed = changed
+        self.gateways: dict[str, float] = {}  # each gateway's stream address -> its last hello
 
     def rollouts(self) -> list[Rollout]:
         return self.table.rollouts()
@@ -210,6 +220,8 @@ class Rollouts:
                 if self.gate is not None:  # a fresh start for every version it changed
                     for version in r.weights:
                         self.gate.forget(r.served(version))
+            if applied:
+                self.changed()
             shown = self.table.rollouts()
             if cmd.model:
                 shown = [r for r in shown if r.model == cmd.model]
@@ -217,6 +229,9 @@ class Rollouts:
         self.outbox.to_gateway(cmd.reply_address, answer)
 
     def heard(self, hello: m.GatewayHello, now: float) -> None:
+        self.gateways = {a: t for a, t in self.gateways.items() if now - t <= GATEWAY_QUIET_S}
+        if hello.stream_address in self.gateways or len(self.gateways) < MAX_PUSHED:
+            self.gateways[hello.stream_address] = now
         if self.gate is not None:
             self.gate.heard(hello.samples, now, self._watched())
 
@@ -234,6 +249,7 @@ class Rollouts:
             logger.warning("rolled %s back to %s: %s", rollout.model, stable, reason)
             logger.info("rollout %s", format_rollout(applied))
             self.gate.forget(rollout.served(canary))
+            self.changed()
 
     def _watched(self) -> set[str]:
         """Every version of every name in the table (a bounded set)."""

@@ -118,14 +118,27 @@ def coordinator(gate: GateConfig | None = None) -> tuple[Coordinator, Outbox]:
 
 def test_the_coordinator_answers_a_command_and_gateways_hear_the_table() -> None:
     c, out = coordinator()
+    c.handle(m.GatewayHello("tcp://gw:quiet"), 0.0)
+    c.handle(m.GatewayHello("tcp://gw:1"), 10.5)  # the other one is quiet past 10 s: gone
+    out.to.clear()
     cmd = RolloutCommand(
         request_id="r1", reply_address="tcp://admin:1", action="set", model="chat",
         weights={"v1": 90, "v2": 10},
     )  # fmt: skip
-    c.handle(m.decode(m.encode(cmd)), 0.0)
-    address, answer = out.to[-1]
+    c.handle(m.decode(m.encode(cmd)), 11.0)
+    # the gateway heard lately gets the new table at once, before the admin's answer goes
+    [(pushed_to, pushed), (address, answer)] = out.to
+    assert pushed_to == "tcp://gw:1" and isinstance(pushed, m.ClusterState)
+    assert [(r.model, r.weights["v2"]) for r in pushed.rollouts] == [("chat", 10)]
     assert address == "tcp://admin:1" and isinstance(answer, RolloutAnswer)
     assert answer.error == "" and answer.rollouts[0].weights == {"v1": 90, "v2": 10, "v3": 0}
+    for i in range(100):  # a flood of addresses: a bounded few are pushed to
+        c.handle(m.GatewayHello(f"tcp://gw:{i + 2}"), 11.0)
+    assert len(c.rollouts.gateways) == 64 and "tcp://gw:1" in c.rollouts.gateways
+    status = RolloutCommand(request_id="r3", reply_address="tcp://admin:1", action="status")
+    out.to.clear()
+    c.handle(status, 11.5)
+    assert [a for a, _ in out.to] == ["tcp://admin:1"]  # nothing changed: no push
     bad = RolloutCommand(request_id="r2", reply_address="tcp://admin:1", action="promote",
                          model="chat", version="v7")  # fmt: skip
     c.handle(bad, 1.0)
@@ -249,7 +262,7 @@ def test_the_gate_compares_ttft_p99s() -> None:
 
 
 def test_the_gate_forgets_what_left_its_window_and_rolls_back_once() -> None:
-    c, _ = coordinator(CONFIG)
+    c, out = coordinator(CONFIG)
     failing = [LatencySamples(model="chat@v2", requests=15, errors=15),
                LatencySamples(model="chat@v1", requests=30, ttft_s=[0.1] * 30)]  # fmt: skip
     c.handle(m.GatewayHello("tcp://gw:1", failing), 0.0)
@@ -262,6 +275,9 @@ def test_the_gate_forgets_what_left_its_window_and_rolls_back_once() -> None:
     c.tick(12.5)
     r = c.rollouts.table.get("chat")
     assert (r.weights, r.gate_rollbacks) == ({"v1": 100, "v2": 0, "v3": 0}, 1)
+    address, pushed = out.to[-1]  # the gateway hears the rollback at once, not a hello later
+    assert address == "tcp://gw:1" and isinstance(pushed, m.ClusterState)
+    assert pushed.rollouts[0].weights["v2"] == 0
     assert r.reason.startswith("canary gate: chat@v2 error rate 1.000 (30 of 30 requests)")
     c.tick(13.0)
     assert c.rollouts.table.get("chat").gate_rollbacks == 1
