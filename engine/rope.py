@@ -50,8 +50,12 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        # computed on the CPU wherever the module is built (a meta-device model's rotary is
-        # replaced once materialised: engine/loader.py), then moved with the module
+        if torch.get_default_device().type == "meta":  # replaced once materialised (loader.py):
+            shape = (max_positions, head_dim)  # computing it here would be thrown away
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin_signed", torch.empty(shape), persistent=False)
+            return
+        # computed on the CPU wherever the module is built, then moved with the module
         with torch.device("cpu"):
             inv_freq = inverse_frequencies(rope, head_dim)
             positions = torch.arange(max_positions, dtype=torch.float32)
