@@ -240,8 +240,12 @@ class Coordinator:
         reg = self.registry
         holding = ModelState.HOLDING
         runnable, expired = self.holds.take(lambda model: reg.state(model) is not holding, now)
-        for req in runnable:
-            self._generate(req, now)
+        for held in runnable:  # its coordinator_wait (and span) counts from when it was held
+            self.shared.held_since[held.request.request_id] = held.since
+            try:
+                self._generate(held.request, now)
+            finally:
+                del self.shared.held_since[held.request.request_id]
         for held in expired:
             waited = now - held.since
             why = f"model {held.request.model} had no worker to take it for {waited:.1f} s"

@@ -31,6 +31,7 @@ from pdserve.coordinator.routes import Route, RouteState, Shared
 from pdserve.protocol import messages as m
 from pdserve.protocol.blocks import fork_blocks, resume_blocks
 from pdserve.protocol.keys import ChoiceKey
+from pdserve.protocol.phases import Phase
 from pdserve.protocol.tenancy import share_of
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class Reservations:
         worker = self.placement.pick_decode(req.model, need, avoid, prompt, max_tokens)
         if worker is None:
             return self._queue(req, choice, choices, need, why, now)
-        route = Route.reserving(req, choice, choices, need, worker.worker_id, tried, now)
+        arrived = shared.arrival(req, now)
+        route = Route.reserving(req, choice, choices, need, worker.worker_id, tried, now, arrived)
         shared.routes.add(route)
         self._send_reserve(route)
         return True
@@ -92,7 +94,8 @@ class Reservations:
                 why_shed = "the queue for decode blocks is full: a higher tier's request came"
                 shared.fail(shed.key, 503, why_shed, shed.request)
         if self.admission.can_queue(len(queue), decoder):
-            shared.routes.add(Route.queued(req, choice, choices, need, now))
+            arrived = shared.arrival(req, now)
+            shared.routes.add(Route.queued(req, choice, choices, need, now, arrived))
             logger.info("request %s#%d: queued (%s)", req.request_id, choice, why or "full")
             return True
         message = "no decode worker has free KV blocks for this prompt"
@@ -292,8 +295,9 @@ class LocalPrefill:
         forked there; or, ``generated`` given, of ``choice`` alone after those tokens."""
         shared = self.shared
         members = [choice] if generated is not None else list(range(req.n))
+        arrived = shared.arrival(req, now)  # before now: it was held, a wait to report
         for c in members:
-            shared.routes.add(Route.local(req, c, worker_id, now))
+            shared.routes.add(Route.local(req, c, worker_id, now, arrived))
             if generated is None:  # a resumed choice's gateway knows it is accepted
                 accepted = m.Accepted(request_id=req.request_id, choice=c)
                 shared.outbox.to_gateway(req.stream_address, accepted)
@@ -310,6 +314,7 @@ class LocalPrefill:
             choices=len(members),
             share=req.share,
             trace=shared.trace_for(req, choice),
+            phases={Phase.COORDINATOR_WAIT: now - arrived} if arrived < now else {},
         )
         shared.send(worker_id, job)
-        shared.traced(req, choice, now, now, worker_id, worker_id)
+        shared.traced(req, choice, arrived, now, worker_id, worker_id)

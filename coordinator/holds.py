@@ -45,16 +45,14 @@ class Holds:
         self._held[(req.request_id, req.resume_choice)] = Held(req, now)
         return True
 
-    def take(
-        self, can_run: Callable[[str], bool], now: float
-    ) -> tuple[list[m.Generate], list[Held]]:
+    def take(self, can_run: Callable[[str], bool], now: float) -> tuple[list[Held], list[Held]]:
         """The held requests whose model can take them now (out of the holds, in arrival
         order), and those past ``hold_s`` that still cannot (out too: the caller fails them)."""
-        runnable: list[m.Generate] = []
+        runnable: list[Held] = []
         expired: list[Held] = []
         for key, held in list(self._held.items()):
             if can_run(held.request.model):
-                runnable.append(held.request)
+                runnable.append(held)
             elif now - held.since >= self.hold_s:
                 expired.append(held)
             else:

@@ -65,7 +65,7 @@ class Route:
     # one prefill, one transfer (``TransferDone`` splits them into a route each)
     choices: int = 1
     ended: set[int] = field(default_factory=set)  # of those, the ones token 0 ended
-    arrived: float = 0.0  # when it was made (its trace span starts there)
+    arrived: float = 0.0  # when it was made, or held before (its coordinator_wait and span start)
 
     @property
     def key(self) -> ChoiceKey:
@@ -80,10 +80,12 @@ class Route:
 
     # ---- made in a first state ----------------------------------------------------------------
     @classmethod
-    def queued(cls, req: m.Generate, choice: int, choices: int, need: int, now: float) -> Route:
+    def queued(
+        cls, req: m.Generate, choice: int, choices: int, need: int, now: float, arrived: float
+    ) -> Route:
         """Waiting for ``need`` decode blocks (``RouteTable.queued``)."""
         return cls(
-            req, choice, RouteState.QUEUED, since=now, need=need, choices=choices, arrived=now
+            req, choice, RouteState.QUEUED, since=now, need=need, choices=choices, arrived=arrived
         )
 
     @classmethod
@@ -96,6 +98,7 @@ class Route:
         decode: str,
         tried: set[str],
         now: float,
+        arrived: float,
     ) -> Route:
         """``decode`` was asked to hold ``need`` blocks."""
         return cls(
@@ -107,11 +110,13 @@ class Route:
             need=need,
             tried=tried,
             choices=choices,
-            arrived=now,
+            arrived=arrived,
         )
 
     @classmethod
-    def local(cls, req: m.Generate, choice: int, worker_id: str, now: float) -> Route:
+    def local(
+        cls, req: m.Generate, choice: int, worker_id: str, now: float, arrived: float
+    ) -> Route:
         """One worker runs both phases."""
         return cls(
             req,
@@ -120,7 +125,7 @@ class Route:
             decode=worker_id,
             prefill=worker_id,
             since=now,
-            arrived=now,
+            arrived=arrived,
         )
 
     # ---- transitions --------------------------------------------------------------------------
@@ -270,10 +275,16 @@ class Shared:
         self.routes = RouteTable()
         self.silent = SilentWorkers()
         self.tracer: Tracer = NO_TRACER  # its spans (``--otlp-endpoint``)
+        # request id -> when it came to be held (coordinator/holds.py), while it is let go
+        self.held_since: dict[str, float] = {}
 
     def avoid(self, now: float) -> set[str]:
         """Workers not to give new work at ``now``: the silent ones."""
         return self.silent.at(now)
+
+    def arrival(self, req: m.Generate, now: float) -> float:
+        """When ``req`` came to the coordinator: ``now``, or when it was held (a worker away)."""
+        return self.held_since.get(req.request_id, now)
 
     def send(self, worker_id: str, msg: m.Message) -> None:
         worker = self.registry.workers.get(worker_id)

@@ -3,7 +3,8 @@ duration on that role's own monotonic clock (machines' clocks differ: no timesta
 crosses a process), carried to the gateway on messages that flow anyway::
 
     gateway      gateway_queue      HTTP arrival → its Generate sent (body, template, tokens)
-    coordinator  coordinator_wait   Generate in → PrefillJob out: queued for decode blocks and
+    coordinator  coordinator_wait   Generate in → PrefillJob out: held while its model had no
+                                    worker (coordinator/holds.py), queued for decode blocks and
                                     reserving them                         (PrefillJob.phases)
     prefill      prefill_queue      PrefillJob in → the first step computing its prompt
                  prefill_compute    that step's start → token 0 sampled   (token 0's chunk,
@@ -14,7 +15,8 @@ crosses a process), carried to the gateway on messages that flow anyway::
 
 Where one worker runs both phases (conditional disaggregation, a colocated pool) there is no
 ``kv_transfer`` and no ``coordinator_wait`` (not observed, rather than 0: nothing moves, no
-blocks are waited for), its token 0's chunk carries the prefill phases and
+blocks are waited for; but a request that was held has its hold as its coordinator_wait), its
+token 0's chunk carries the prefill phases and
 ``first_decode_step`` runs from token 0 to token 1 on that worker. None overlaps another; what
 none covers (the hops between roles, the HTTP layer before the request arrived and after its
 last token) is the gap between their sum and a client's time. A choice asked of another decode

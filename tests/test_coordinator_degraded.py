@@ -15,9 +15,10 @@ from pdserve.coordinator.holds import Holds
 from pdserve.coordinator.routes import RouteState
 from pdserve.protocol import messages as m
 from pdserve.protocol.control import Heartbeat, WorkerLoad
+from pdserve.protocol.phases import Phase
 from tests.cluster_util import Cluster
 from tests.engine_util import hf_greedy, make_engine, prompts
-from tests.test_coordinator_waits import Outbox, generate, register
+from tests.test_coordinator_waits import Outbox, generate, register, reserved
 
 GREEDY = m.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -118,6 +119,30 @@ def test_a_request_waits_for_its_decode_worker_to_come_back() -> None:
     register(c, "decode", "d0", 64)  # restarted: the held request goes to it at once
     assert [w for w, _ in out.take(m.Reserve)] == ["d0"] and len(c.holds) == 0
     assert c.routes[("r", 0)].state is RouteState.RESERVING
+
+
+def test_a_held_requests_wait_counts_in_its_coordinator_wait() -> None:
+    """Held at 6.0 s, let go at 7.0 (its decode worker back), reserved at 7.5: the prefill job
+    says coordinator_wait 1.5 s; one let go to a decode worker that prefills it itself (no
+    prefill worker: a local job, which has no coordinator_wait otherwise) says its hold."""
+    c, out = held_cluster()
+    generate(c, "r", now=6.0)
+    register(c, "decode", "d0", 64, now=7.0)
+    assert [w for w, _ in out.take(m.Reserve)] == ["d0"]
+    c.handle(reserved("d0", "r"), 7.5)
+    [(_, job)] = out.take(m.PrefillJob)
+    assert job.phases == {Phase.COORDINATOR_WAIT: 1.5}
+    generate(c, "fresh", now=7.5)  # never held: counted from its Generate
+    c.handle(reserved("d0", "fresh"), 7.75)
+    [(_, job)] = out.take(m.PrefillJob)
+    assert job.phases == {Phase.COORDINATOR_WAIT: 0.25}
+    c.tick(12.5)  # p0 (last heard at 4.0) and d0 (at 7.0) silent past 5 s: both away
+    generate(c, "local", now=12.5)
+    assert len(c.holds) == 1
+    register(c, "decode", "d0", 64, now=13.5)  # no prefill worker: d0 prefills it itself
+    [(wid, job)] = out.take(m.PrefillJob)
+    assert wid == "d0" and job.dst_block_ids == [] and job.request_id == "local"
+    assert job.phases == {Phase.COORDINATOR_WAIT: 1.0}
 
 
 def test_a_held_request_fails_after_the_hold_timeout() -> None:

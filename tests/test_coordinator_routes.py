@@ -48,7 +48,7 @@ def test_pop_keeps_the_index_in_step() -> None:
 
 def test_transitions_check_the_state_they_leave() -> None:
     req = _route("a", 0).request
-    route = Route.queued(req, 0, choices=2, need=3, now=1.0)
+    route = Route.queued(req, 0, choices=2, need=3, now=1.0, arrived=1.0)
     with pytest.raises(RouteStateError, match="prefilling from queued, not reserving"):
         route.prefill_on("p0", None, 2.0)  # type: ignore[arg-type]
     route.reserve_on("d0", 2.0)

@@ -48,7 +48,7 @@ def cluster(decode: dict[str, int], prefill: tuple[str, ...] = ("p0",)) -> tuple
     return c, out
 
 
-def register(c: Coordinator, role: str, wid: str, blocks: int) -> None:
+def register(c: Coordinator, role: str, wid: str, blocks: int, now: float = 0.0) -> None:
     """Worker ``wid`` of ``role`` registers with ``blocks`` KV blocks of 16 tokens."""
     c.handle(
         Register(
@@ -61,7 +61,7 @@ def register(c: Coordinator, role: str, wid: str, blocks: int) -> None:
             layout=LAYOUT,
             num_blocks=blocks,
         ),
-        0.0,
+        now,
     )
 
 

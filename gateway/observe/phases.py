@@ -38,10 +38,11 @@ class PhaseMetrics:
             Histogram(
                 "pdserve_request_phase_seconds",
                 "Where a request's time went, by phase: gateway_queue (HTTP arrival to its "
-                "request sent), coordinator_wait (queued for decode blocks and reserving them), "
+                "request sent), coordinator_wait (held while its model had no worker, queued for "
+                "decode blocks and reserving them), "
                 "prefill_queue, prefill_compute (to token 0), kv_transfer (the push after it), "
-                "first_decode_step (to token 1). No coordinator_wait nor kv_transfer where one "
-                "worker ran both phases.",
+                "first_decode_step (to token 1). No kv_transfer where one worker ran both phases, "
+                "nor coordinator_wait unless it was held.",
                 PHASE_BUCKETS,
                 ["model", "phase"],
             )
