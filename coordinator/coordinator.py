@@ -37,7 +37,9 @@ waits, and everything it says goes through a ``CoordinatorOutbox``. It holds its
     rollouts      Rollouts        versions behind one name, the canary gate (rollouts.py)
 
 and the decisions, pure objects (policies.py): ``PlacementPolicy``, ``ConditionalDisaggPolicy``,
-``AdmissionPolicy``. The workers, and what each may say, are the registry's (registry.py).
+``AdmissionPolicy``. The workers, and what each may say, are the registry's (registry.py). Each
+gateway gets the cluster's state in answer to its hello, and at once when the rollout table
+changes (``gateways``: those heard lately).
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ from pdserve.protocol.phases import Phase
 from pdserve.protocol.rollouts import RolloutCommand
 
 logger = logging.getLogger(__name__)
+
+GATEWAY_QUIET_S = 10.0  # a gateway hellos each second: one quiet this long is gone (no push)
+MAX_PUSHED = 64  # gateways pushed a changed rollout table (more hear it with their next hello)
 
 
 class Coordinator:
@@ -125,6 +130,7 @@ class Coordinator:
         self.rollouts = Rollouts(
             self.shared.outbox, self.registry, rollouts, canary_gate, changed=self._push_state
         )
+        self.gateways: dict[str, float] = {}  # each gateway's stream address -> its last hello
         self.decisions: Counter[str] = Counter()  # each choice's route by reason
         self.started_at: float | None = None  # its first message: then it knows no worker
 
@@ -156,6 +162,7 @@ class Coordinator:
         elif isinstance(msg, m.GatewayHello):
             self.planning.heard(msg, now)
             self.rollouts.heard(msg, now)
+            self._heard_gateway(msg.stream_address, now)
             self.shared.outbox.to_gateway(msg.stream_address, self._state())
         elif isinstance(msg, m.Generate):
             self._generate(msg, now)
@@ -197,10 +204,16 @@ class Coordinator:
             rollouts=self.rollouts.rollouts(),
         )
 
+    def _heard_gateway(self, address: str, now: float) -> None:
+        """Keep the gateways heard lately (a bounded few), those ``_push_state`` sends to."""
+        self.gateways = {a: t for a, t in self.gateways.items() if now - t <= GATEWAY_QUIET_S}
+        if address in self.gateways or len(self.gateways) < MAX_PUSHED:
+            self.gateways[address] = now
+
     def _push_state(self) -> None:
         """The rollout table changed: every gateway heard lately gets the state now."""
         state = self._state()
-        for address in self.rollouts.gateways:
+        for address in self.gateways:
             self.shared.outbox.to_gateway(address, state)
 
     def _queued(self, model: str) -> int:

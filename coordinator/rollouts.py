@@ -38,9 +38,6 @@ from pdserve.protocol.rollouts import (
 
 logger = logging.getLogger(__name__)
 
-GATEWAY_QUIET_S = 10.0  # a gateway hellos each second: one quiet this long is gone (no push)
-MAX_PUSHED = 64  # gateways pushed a changed table (more hear it with their next hello)
-
 
 class RolloutError(ValueError):
     """A change the table refuses, with the reason for the admin."""
@@ -181,14 +178,13 @@ class Rollouts:
         changed: Callable[[], None] = lambda: None,
     ) -> None:
         """``changed``: called when the table changed, before the command's answer goes (the
-        coordinator sends its state to ``gateways``, so a rollback is not a hello late)."""
+        coordinator sends its state to the gateways, so a rollback is not a hello late)."""
         self.outbox = outbox
         self.registry = registry
         self.table = table or RolloutTable()
         self.gate = CanaryGate(gate) if gate is not None else None
         self.declared = {r.model: set(r.weights) for r in self.table.rollouts()}
         self.changed = changed
-        self.gateways: dict[str, float] = {}  # each gateway's stream address -> its last hello
 
     def rollouts(self) -> list[Rollout]:
         return self.table.rollouts()
@@ -229,9 +225,6 @@ class Rollouts:
         self.outbox.to_gateway(cmd.reply_address, answer)
 
     def heard(self, hello: m.GatewayHello, now: float) -> None:
-        self.gateways = {a: t for a, t in self.gateways.items() if now - t <= GATEWAY_QUIET_S}
-        if hello.stream_address in self.gateways or len(self.gateways) < MAX_PUSHED:
-            self.gateways[hello.stream_address] = now
         if self.gate is not None:
             self.gate.heard(hello.samples, now, self._watched())
 

@@ -55,13 +55,10 @@ class RotaryEmbedding(torch.nn.Module):
             self.register_buffer("cos", torch.empty(shape), persistent=False)
             self.register_buffer("sin_signed", torch.empty(shape), persistent=False)
             return
-        # computed on the CPU wherever the module is built, then moved with the module
-        with torch.device("cpu"):
-            inv_freq = inverse_frequencies(rope, head_dim)
-            positions = torch.arange(max_positions, dtype=torch.float32)
-            freqs = positions[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-            sin = emb.sin()
+        inv_freq = inverse_frequencies(rope, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        sin = emb.sin()
         sin[:, : head_dim // 2].neg_()  # rotate_half's sign, folded in (see apply_rotary)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin_signed", sin, persistent=False)

@@ -134,7 +134,7 @@ def test_the_coordinator_answers_a_command_and_gateways_hear_the_table() -> None
     assert answer.error == "" and answer.rollouts[0].weights == {"v1": 90, "v2": 10, "v3": 0}
     for i in range(100):  # a flood of addresses: a bounded few are pushed to
         c.handle(m.GatewayHello(f"tcp://gw:{i + 2}"), 11.0)
-    assert len(c.rollouts.gateways) == 64 and "tcp://gw:1" in c.rollouts.gateways
+    assert len(c.gateways) == 64 and "tcp://gw:1" in c.gateways
     status = RolloutCommand(request_id="r3", reply_address="tcp://admin:1", action="status")
     out.to.clear()
     c.handle(status, 11.5)

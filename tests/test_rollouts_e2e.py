@@ -71,9 +71,13 @@ def rollout(c: ServedCluster, *action: str) -> str:
     return done.stdout
 
 
-def chat(c: ServedCluster, messages: list[dict], model: str = "chat") -> dict:
+def post_chat(c: ServedCluster, messages: list[dict], model: str = "chat") -> httpx.Response:
     body = {"model": model, "messages": messages, "max_tokens": 2, "temperature": 0}
-    r = httpx.post(f"{c.url}/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(f"{c.url}/v1/chat/completions", json=body, timeout=60)
+
+
+def chat(c: ServedCluster, messages: list[dict], model: str = "chat") -> dict:
+    r = post_chat(c, messages, model)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -157,8 +161,7 @@ def serves(c: ServedCluster, probes: list[str], versions: set[str]) -> None:
     seen: list[set[str]] = []
 
     def answered_by(p: str) -> str:
-        body = {"model": "chat", "messages": [{"role": "user", "content": p}], "max_tokens": 2}
-        r = httpx.post(f"{c.url}/v1/chat/completions", json=body, timeout=60)
+        r = post_chat(c, [{"role": "user", "content": p}])
         return r.json()["model"] if r.status_code == 200 else f"status {r.status_code}"
 
     def now() -> bool:
